@@ -1,0 +1,1 @@
+"""Deployment export (installed as `kvq_ao.export`): ExecuTorch and ONNX exporters live here (issue 3)."""

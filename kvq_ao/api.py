@@ -1,0 +1,143 @@
+"""`quantize_kv_(model, config)`: make a transformers model keep and read a quantized KV cache.
+
+What it does, and nothing more:
+1. validates that the model is a supported decoder (Llama-family attention, GQA/MQA, optional
+   sliding-window layers) and that the config fits it (layer count, head_dim, groups);
+2. switches the model's attention to "kvq", an attention function registered with
+   transformers' `AttentionInterface` that sends `QuantizedKV` keys/values to
+   `torch.ops.kvq.attention` (anything else goes to SDPA as before);
+3. makes `model.generate()` build a `QuantizedKVCache` (static if `cache_implementation="static"`
+   or a compile config asks for it) whenever the caller does not pass a cache.
+No model code is patched; `model.kvq_config` records the config.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from kvq_ao._torchao import register_quantize_module_handler
+from kvq_ao.cache import QuantizedKVCache
+from kvq_ao.config import KVQuantConfig
+from kvq_ao.tensor import QuantizedKV
+
+ATTN_NAME = "kvq"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2")
+
+
+def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: quantized cache -> kvq.attention, else plain SDPA."""
+    if not isinstance(key, QuantizedKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        raise RuntimeError("kvq attention expects the boolean 4-D mask built by the 'kvq' mask function")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.kvq.attention(
+        query, key.codes, key.scale, key.zero, value.codes, value.scale, value.zero,
+        key.side, value.side, key.side_pos, key.body_end, attention_mask,
+        key.body_start, float(scaling), key.bits, key.axis, key.group, value.bits, value.axis, value.group,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def kvq_mask(*args, **kwargs):
+    """SDPA's boolean mask, never skipped: the kvq op always needs the explicit mask."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(ATTN_NAME, kvq_attention_forward)
+AttentionMaskInterface.register(ATTN_NAME, kvq_mask)
+
+
+# ---------------------------------------------------------------------------- validation
+def text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_model(model, config: KVQuantConfig) -> None:
+    """Raise a clear ValueError when the model or the config does not fit."""
+    cfg = text_config(model)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model type {model_type!r} ({type(model).__name__}); kvq_ao supports decoder-only "
+            f"Llama-family attention: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError("encoder-decoder models are not supported")
+    n_layers = cfg.num_hidden_layers
+    config.resolve(n_layers)  # raises on a layer-count mismatch
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for i, spec in enumerate(config.resolve(n_layers)):
+        try:
+            spec.key.check_head_dim(head_dim)
+            spec.value.check_head_dim(head_dim)
+        except ValueError as e:
+            raise ValueError(f"config {config.name!r}, layer {i}: {e}") from None
+    layer_types = getattr(cfg, "layer_types", None) or []
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"unsupported attention layer types {unknown}; kvq_ao handles full and sliding-window attention")
+
+
+def model_dims(model) -> tuple[int, int, int]:
+    """(num_layers, kv_heads, head_dim) of a supported model."""
+    cfg = text_config(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim
+
+
+def make_cache(model, config: KVQuantConfig | None = None, max_cache_len: int | None = None) -> QuantizedKVCache:
+    """A fresh quantized cache for `model` (static when max_cache_len is given)."""
+    config = config or getattr(model, "kvq_config", None)
+    if config is None:
+        raise ValueError("no config: pass one or call quantize_kv_(model, config) first")
+    check_model(model, config)
+    return QuantizedKVCache(config, model_dims(model)[0], max_cache_len=max_cache_len)
+
+
+# ---------------------------------------------------------------------------- the one-liner
+def quantize_kv_(model, config: KVQuantConfig):
+    """Quantize `model`'s KV cache as `config` says; returns the model (modified in place)."""
+    if not isinstance(config, KVQuantConfig):
+        raise TypeError(f"config must be a KVQuantConfig, got {type(config).__name__}")
+    check_model(model, config)
+    model.kvq_config = config
+    if getattr(model, "_kvq_previous_attn", None) is None:
+        model._kvq_previous_attn = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    if not hasattr(model, "_kvq_original_prepare_cache"):
+        model._kvq_original_prepare_cache = model._prepare_cache_for_generation
+        model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    return model
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+    """generate() hook: build a QuantizedKVCache unless the caller brought a cache."""
+    if model_kwargs.get("cache") is None and getattr(self, "kvq_config", None) is not None:
+        static = generation_config.cache_implementation == "static" or generation_config.compile_config is not None
+        if generation_config.cache_implementation not in (None, "dynamic", "static"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} conflicts with the kvq_ao cache; "
+                "use None, 'dynamic' or 'static'"
+            )
+        generation_config.cache_implementation = None
+        model_kwargs["cache"] = make_cache(self, self.kvq_config, max_cache_len=max_cache_length if static else None)
+    return self._kvq_original_prepare_cache(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+
+@register_quantize_module_handler(KVQuantConfig)
+def _torchao_handler(module, config: KVQuantConfig):
+    """torchao's `quantize_(model, cfg, filter_fn=...)` entry: applies to the matched model."""
+    if not hasattr(module, "config") or not hasattr(module, "generate"):
+        raise ValueError(
+            "KVQuantConfig applies to a whole transformers model: use filter_fn=lambda m, fqn: fqn == '' "
+            f"(it matched a {type(module).__name__})"
+        )
+    return quantize_kv_(module, config)

@@ -1,0 +1,340 @@
+"""Quantized KV caches on transformers' Cache API (5.x): dynamic and static, per-layer specs.
+
+Each layer keeps
+* a **body**: every position of its capacity as packed codes (or plain floats for "none"),
+  written once when a position falls behind the full-precision window, never re-quantized;
+* a **side** store in full precision: `sink_tokens` first positions (attention sinks) and a ring
+  of the most recent `residual_length + block` positions (KIVI's residual window; `block` is the
+  per-channel key group, since a channel group can only be quantized once all its tokens exist).
+
+Positions [sink, body_end) are read from the body and the rest from the side, where
+body_end = floor((length - residual) / block) * block. `update()` returns the layer's keys and
+values as `QuantizedKV` views of this storage; attention reads them through
+`torch.ops.kvq.attention`, so the quantized cache is what the model really attends to.
+
+Two update paths produce identical storage (tested against each other):
+* `_append_eager` (any number of tokens, Python ints; dynamic caches and any prefill),
+* `_append_one_static` (one token, tensor positions only, no data-dependent Python control
+  flow: what `torch.compile` and `torch.export` trace for a decode step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.quant.packing import packed_size
+from kvq_ao.tensor import QuantizedKV
+
+_GROWTH = 256  # dynamic caches grow their body in steps of this many tokens
+
+
+def _op_format(spec: QuantSpec) -> tuple[int, int, int]:
+    return (spec.bits or 0, spec.axis_id, spec.group_size)
+
+
+class _BodyStore:
+    """The packed body of one tensor (keys or values) of one layer."""
+
+    def __init__(self, spec: QuantSpec, lead: tuple[int, int], head_dim: int, capacity: int,
+                 dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device):  # fmt: skip
+        self.spec, self.scale_dtype = spec, scale_dtype
+        b, h = lead
+        if spec.is_quantized:
+            self.codes = torch.zeros(b, h, capacity, packed_size(head_dim, spec.bits), dtype=torch.uint8, device=device)
+            meta = (b, h, capacity, head_dim // spec.group_size) if spec.axis == "token" else (b, h, capacity // spec.group_size, head_dim)
+            self.scale = torch.zeros(meta, dtype=scale_dtype, device=device)
+            self.zero = torch.zeros(meta, dtype=scale_dtype, device=device)
+        else:
+            self.codes = torch.zeros(b, h, capacity, head_dim, dtype=dtype, device=device)
+            self.scale = torch.zeros(0, dtype=scale_dtype, device=device)
+            self.zero = torch.zeros(0, dtype=scale_dtype, device=device)
+
+    @property
+    def meta_per_row(self) -> int:
+        """Tokens covered by one row of scale/zero along the token axis."""
+        return self.spec.group_size if self.spec.is_quantized and self.spec.axis == "channel" else 1
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.zero
+
+    def grow(self, capacity: int) -> None:
+        def pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+            extra = torch.zeros(*t.shape[:2], rows - t.shape[2], *t.shape[3:], dtype=t.dtype, device=t.device)
+            return torch.cat([t, extra], dim=2)
+
+        self.codes = pad(self.codes, capacity)
+        if self.spec.is_quantized:
+            self.scale = pad(self.scale, capacity // self.meta_per_row)
+            self.zero = pad(self.zero, capacity // self.meta_per_row)
+
+    def _encode(self, x: torch.Tensor):
+        if not self.spec.is_quantized:
+            return x.to(self.codes.dtype), None, None
+        bits, axis, group = _op_format(self.spec)
+        return torch.ops.kvq.quantize(x, bits, axis, group, self.scale_dtype)
+
+    def write(self, start: int, x: torch.Tensor) -> None:
+        """Quantize x [B, H, n, D] into positions [start, start + n) (block-aligned)."""
+        codes, scale, zero = self._encode(x)
+        n = x.shape[2]
+        self.codes[:, :, start : start + n] = codes
+        if scale is not None:
+            r = self.meta_per_row
+            self.scale[:, :, start // r : (start + n) // r] = scale
+            self.zero[:, :, start // r : (start + n) // r] = zero
+
+    def write_block_if(self, start: torch.Tensor, x: torch.Tensor, enable: torch.Tensor) -> None:
+        """Tensor-only write of one block x [B, H, block, D] at `start` when `enable` (0-dim bool)."""
+        codes, scale, zero = self._encode(x)
+        rows = start + torch.arange(x.shape[2], device=x.device)
+
+        def blend_into(buf: torch.Tensor, idx: torch.Tensor, new: torch.Tensor) -> None:
+            buf.index_copy_(2, idx, torch.where(enable, new, buf.index_select(2, idx)))
+
+        blend_into(self.codes, rows, codes)
+        if scale is not None:
+            r = self.meta_per_row
+            meta_rows = torch.div(start, r, rounding_mode="floor") + torch.arange(x.shape[2] // r, device=x.device)
+            blend_into(self.scale, meta_rows, scale)
+            blend_into(self.zero, meta_rows, zero)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class QuantizedLayer(CacheLayerMixin):
+    """One attention layer's quantized cache. Grows on demand unless `max_cache_len` is set."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, spec: LayerKV, sink_tokens: int = 0, residual_length: int = 0,
+                 scale_dtype: str = "float16", max_cache_len: int | None = None):  # fmt: skip
+        super().__init__()
+        self.spec = spec
+        self.sink = sink_tokens
+        self.residual = residual_length
+        self.block = spec.token_block
+        self.ring = residual_length + self.block  # see _append_one_static for why not "- 1"
+        self.scale_dtype = getattr(torch, scale_dtype)
+        if max_cache_len is not None:
+            if max_cache_len <= 0:
+                raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
+            max_cache_len = math.ceil(max_cache_len / self.block) * self.block
+        self.max_cache_len = max_cache_len
+        self.cumulative_length: int | torch.Tensor = 0
+        self.capacity = 0
+
+    # ------------------------------------------------------------------ storage
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        dv = value_states.shape[-1]
+        self.spec.key.check_head_dim(d)
+        self.spec.value.check_head_dim(dv)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.capacity = self.max_cache_len or 0
+        self.k_body = _BodyStore(self.spec.key, (b, h), d, self.capacity, self.dtype, self.scale_dtype, self.device)
+        self.v_body = _BodyStore(self.spec.value, (b, h), dv, self.capacity, self.dtype, self.scale_dtype, self.device)
+        n_side = self.sink + self.ring
+        self.side_k = torch.zeros(b, h, n_side, d, dtype=self.dtype, device=self.device)
+        self.side_v = torch.zeros(b, h, n_side, dv, dtype=self.dtype, device=self.device)
+        self.side_pos = torch.full((n_side,), -1, dtype=torch.int64, device=self.device)
+        self.body_end = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.is_initialized = True
+
+    def _boundary(self, length: int) -> int:
+        return max(length - self.residual, 0) // self.block * self.block
+
+    def _slot(self, positions: torch.Tensor) -> torch.Tensor:
+        ring_slot = self.sink + torch.remainder(positions - self.sink, self.ring)
+        return torch.where(positions < self.sink, positions, ring_slot)
+
+    def _capacity_for(self, length: int) -> int:
+        if self.max_cache_len is not None:
+            return self.max_cache_len
+        step = math.lcm(_GROWTH, self.block)
+        return max(self.capacity, math.ceil(length / step) * step)
+
+    def _without_sink(self, x: torch.Tensor, first_pos) -> torch.Tensor:
+        """Hide sink tokens from per-channel group ranges by standing in their block's last token."""
+        if self.sink == 0 or self.block == 1:
+            return x
+        b, h, n, d = x.shape
+        positions = first_pos + torch.arange(n, device=x.device)
+        blocks = x.reshape(b, h, n // self.block, self.block, d)
+        stand_in = blocks[:, :, :, -1:, :].expand_as(blocks).reshape(b, h, n, d)
+        return torch.where((positions < self.sink).view(1, 1, n, 1), stand_in, x)
+
+    # ------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[2] == 1 and isinstance(self.cumulative_length, torch.Tensor):
+            self._append_one_static(key_states, value_states)
+        else:
+            self._append_eager(key_states, value_states)
+        return self.keys_values()
+
+    def _append_eager(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        old = int(self.cumulative_length)
+        new = old + k.shape[2]
+        if self.max_cache_len is not None and new > self.max_cache_len:
+            raise ValueError(
+                f"static KV cache overflow: {new} tokens requested but the cache was built with max_cache_len={self.max_cache_len}"
+            )
+        capacity = self._capacity_for(new)
+        if capacity > self.capacity:
+            self.k_body.grow(capacity)
+            self.v_body.grow(capacity)
+            self.capacity = capacity
+        b_old, b_new = self._boundary(old), self._boundary(new)
+        if b_new > b_old:
+            held = torch.arange(b_old, old, device=self.device)
+            slots = self._slot(held)
+            xk = torch.cat([self.side_k.index_select(2, slots), k], dim=2)[:, :, : b_new - b_old]
+            xv = torch.cat([self.side_v.index_select(2, slots), v], dim=2)[:, :, : b_new - b_old]
+            if self.spec.key.token_block > 1:
+                xk = self._without_sink(xk, b_old)
+            if self.spec.value.token_block > 1:
+                xv = self._without_sink(xv, b_old)
+            self.k_body.write(b_old, xk)
+            self.v_body.write(b_old, xv)
+        positions = torch.arange(old, new, device=self.device)
+        keep = (positions < self.sink) | (positions >= b_new)
+        kept = positions[keep]
+        slots = self._slot(kept)
+        self.side_k.index_copy_(2, slots, k[:, :, keep])
+        self.side_v.index_copy_(2, slots, v[:, :, keep])
+        self.side_pos.index_copy_(0, slots, kept)
+        self.body_end.fill_(b_new)
+        if isinstance(self.cumulative_length, torch.Tensor):
+            self.cumulative_length.fill_(new)
+        else:
+            self.cumulative_length = new
+
+    def _append_one_static(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one token with tensor arithmetic only (compile/export friendly).
+
+        The token is written to the side store first; if that completes a block behind the
+        window, the block [end - block, end) is gathered back from the side store and quantized.
+        The ring holds residual + block positions, so the block's oldest token is still there
+        after this token's write (with residual + block - 1 it would just have been evicted).
+        """
+        pos = self.cumulative_length.reshape(1)
+        slot = self._slot(pos)
+        self.side_k.index_copy_(2, slot, k)
+        self.side_v.index_copy_(2, slot, v)
+        self.side_pos.index_copy_(0, slot, pos)
+        length = pos + 1
+        behind = length - self.residual
+        complete = (behind > 0) & (torch.remainder(behind, self.block) == 0)
+        if self.max_cache_len is not None:
+            complete = complete & (behind <= self.max_cache_len)
+        start = torch.clamp(behind - self.block, min=0)
+        block_pos = start + torch.arange(self.block, device=self.device)
+        block_slots = self._slot(block_pos)
+        xk = self.side_k.index_select(2, block_slots)
+        xv = self.side_v.index_select(2, block_slots)
+        if self.spec.key.token_block > 1:
+            xk = self._without_sink(xk, start)
+        if self.spec.value.token_block > 1:
+            xv = self._without_sink(xv, start)
+        enable = complete.reshape(())
+        self.k_body.write_block_if(start, xk, enable)
+        self.v_body.write_block_if(start, xv, enable)
+        end = torch.div(torch.clamp(behind, min=0), self.block, rounding_mode="floor") * self.block
+        self.body_end.copy_(end.reshape(()))
+        self.cumulative_length.add_(1)
+
+    # ------------------------------------------------------------------ views
+    def keys_values(self) -> tuple[QuantizedKV, QuantizedKV]:
+        kb, ka, kg = _op_format(self.spec.key)
+        vb, va, vg = _op_format(self.spec.value)
+        keys = QuantizedKV(*self.k_body.tensors(), self.side_k, self.side_pos, self.body_end, kb, ka, kg, self.sink, self.dtype)
+        values = QuantizedKV(*self.v_body.tensors(), self.side_v, self.side_pos, self.body_end, vb, va, vg, self.sink, self.dtype)
+        return keys, values
+
+    # ------------------------------------------------------------------ transformers contract
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.max_cache_len is not None:
+            return self.max_cache_len, 0
+        return self._capacity_for(int(self.cumulative_length) + query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len if self.max_cache_len is not None else -1
+
+    def reset(self) -> None:
+        if not self.is_initialized:
+            return
+        for t in (*self.k_body.tensors(), *self.v_body.tensors(), self.side_k, self.side_v, self.body_end):
+            t.zero_()
+        self.side_pos.fill_(-1)
+        if isinstance(self.cumulative_length, torch.Tensor):
+            self.cumulative_length.zero_()
+        else:
+            self.cumulative_length = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by the kvq_ao cache")
+
+    # ------------------------------------------------------------------ memory
+    def tensor_bytes(self) -> int:
+        """Bytes of every tensor this layer actually holds."""
+        if not self.is_initialized:
+            return 0
+        side = sum(t.numel() * t.element_size() for t in (self.side_k, self.side_v, self.side_pos, self.body_end))
+        return self.k_body.nbytes() + self.v_body.nbytes() + side
+
+
+class QuantizedStaticLayer(QuantizedLayer):
+    """Preallocated layer for compiled and exported decoding: fixed shapes, tensor length."""
+
+    is_compileable = True
+
+    def __init__(self, spec: LayerKV, max_cache_len: int, **kwargs):
+        super().__init__(spec, max_cache_len=max_cache_len, **kwargs)
+        self.cumulative_length = torch.zeros((), dtype=torch.int64)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():
+            for t in (*self.k_body.tensors(), *self.v_body.tensors(), self.side_k, self.side_v,
+                      self.side_pos, self.body_end, self.cumulative_length):  # fmt: skip
+                torch._dynamo.mark_static_address(t)
+
+
+class QuantizedKVCache(Cache):
+    """A transformers `Cache` whose layers store K/V as `config` says, one spec per layer.
+
+    Pass `max_cache_len` for the static (preallocated, compileable) variant.
+    """
+
+    def __init__(self, config: KVQuantConfig, num_layers: int, max_cache_len: int | None = None):
+        specs = config.resolve(num_layers)
+        common = dict(sink_tokens=config.sink_tokens, residual_length=config.residual_length, scale_dtype=config.scale_dtype)
+        if max_cache_len is None:
+            layers = [QuantizedLayer(s, **common) for s in specs]
+        else:
+            layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, **common) for s in specs]
+        super().__init__(layers=layers)
+        self.config = config
+
+    @property
+    def is_static(self) -> bool:
+        return isinstance(self.layers[0], QuantizedStaticLayer)
+
+    def tensor_bytes(self) -> int:
+        return sum(layer.tensor_bytes() for layer in self.layers)
+
+    def memory_report(self):
+        from kvq_ao.memory import memory_report
+
+        return memory_report(self)

@@ -1,0 +1,254 @@
+"""What to quantize and how: frozen, self-validating dataclasses with a JSON round trip.
+
+`QuantSpec` describes one tensor (keys or values) of one layer; `LayerKV` pairs them;
+`KVQuantConfig` holds one `LayerKV` per layer (or one for all layers) plus the settings the
+whole cache shares: full-precision sink tokens, the full-precision window of recent tokens, and
+the dtype of scales. `KVQuantConfig` is a torchao `AOBaseConfig`, so
+`torchao.quantization.quantize_(model, cfg, filter_fn=...)` accepts it (see `kvq_ao.api`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvq_ao._torchao import AOBaseConfig
+from kvq_ao.quant.packing import SUPPORTED_BITS
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+
+AXES = {"token": AXIS_TOKEN, "channel": AXIS_CHANNEL}
+SCALE_DTYPES = ("float16", "float32")
+CONFIG_VERSION = 1
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor (keys or values) of one layer is stored.
+
+    bits: 2, 3, 4 or 8 for packed integer codes; None keeps full precision ("none" in JSON).
+    axis: "channel" quantizes each channel over blocks of `group_size` tokens (KIVI keys);
+          "token" quantizes each token over groups of `group_size` channels (values).
+    """
+
+    bits: int | None = None
+    axis: str = "token"
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS} or 'none', got {self.bits!r}")
+        if self.axis not in AXES:
+            raise ValueError(f"axis must be one of {sorted(AXES)}, got {self.axis!r}")
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
+            raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def axis_id(self) -> int:
+        return AXES[self.axis]
+
+    @property
+    def token_block(self) -> int:
+        """Tokens that must arrive before they can be quantized together."""
+        return self.group_size if self.is_quantized and self.axis == "channel" else 1
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if not self.is_quantized:
+            return
+        if self.axis == "token" and head_dim % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide head_dim {head_dim}")
+        per_word = 8 if self.bits == 3 else max(1, 8 // self.bits)
+        if head_dim % per_word:
+            raise ValueError(f"{self.bits}-bit packing needs head_dim divisible by {per_word}, got {head_dim}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bits": "none" if self.bits is None else self.bits, "axis": self.axis, "group_size": self.group_size}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
+        _check_keys(d, {"bits", "axis", "group_size"}, "QuantSpec")
+        bits = d.get("bits", None)
+        bits = None if bits in (None, "none") else bits
+        return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32))
+
+
+FP = QuantSpec(bits=None)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """The (key, value) specs of one attention layer."""
+
+    key: QuantSpec = FP
+    value: QuantSpec = FP
+
+    def __post_init__(self) -> None:
+        for name in ("key", "value"):
+            if not isinstance(getattr(self, name), QuantSpec):
+                raise TypeError(f"LayerKV.{name} must be a QuantSpec, got {type(getattr(self, name)).__name__}")
+
+    @property
+    def token_block(self) -> int:
+        return math.lcm(self.key.token_block, self.value.token_block)
+
+    def bits_label(self) -> str:
+        def one(s: QuantSpec) -> str:
+            return "16" if s.bits is None else str(s.bits)
+
+        return f"K{one(self.key)}V{one(self.value)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key.to_dict(), "value": self.value.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerKV:
+        _check_keys(d, {"key", "value"}, "LayerKV")
+        return cls(key=QuantSpec.from_dict(d.get("key", {})), value=QuantSpec.from_dict(d.get("value", {})))
+
+
+@dataclass(frozen=True)
+class KVQuantConfig(AOBaseConfig):
+    """A whole KV-cache quantization recipe.
+
+    default: the `LayerKV` of every layer not listed in `layers`.
+    layers: optional per-layer specs, one per model layer (KVTuner's mixed precision).
+    sink_tokens: the first tokens kept in full precision (attention sinks).
+    residual_length: the most recent tokens kept in full precision (KIVI's residual). Tokens
+        become quantized in blocks once they fall behind this window.
+    scale_dtype: dtype of scales and zero points ("float16" halves metadata, as KIVI does).
+    """
+
+    default: LayerKV = field(default_factory=LayerKV)
+    layers: tuple[LayerKV, ...] = ()
+    sink_tokens: int = 0
+    residual_length: int = 0
+    scale_dtype: str = "float16"
+    name: str = "custom"
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.default, LayerKV):
+            raise TypeError(f"default must be a LayerKV, got {type(self.default).__name__}")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerKV):
+                raise TypeError(f"layers[{i}] must be a LayerKV, got {type(layer).__name__}")
+        for name in ("sink_tokens", "residual_length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if self.version != CONFIG_VERSION:
+            raise ValueError(f"unsupported config version {self.version!r}; this kvq_ao reads version {CONFIG_VERSION}")
+        for i, layer in enumerate(self.layers or (self.default,)):
+            block = layer.token_block
+            if block > 1 and self.sink_tokens >= block:
+                raise ValueError(
+                    f"layer {i}: sink_tokens ({self.sink_tokens}) must be smaller than the per-channel "
+                    f"token group ({block}) so sink tokens can be left out of the group's range"
+                )
+
+    # ----------------------------------------------------------------- per-layer view
+    def layer(self, index: int) -> LayerKV:
+        return self.layers[index] if self.layers else self.default
+
+    def resolve(self, num_layers: int) -> tuple[LayerKV, ...]:
+        """One LayerKV per model layer; a per-layer config must match the model's layer count."""
+        if self.layers and len(self.layers) != num_layers:
+            raise ValueError(
+                f"config {self.name!r} has {len(self.layers)} layer specs but the model has {num_layers} layers"
+            )
+        return self.layers if self.layers else (self.default,) * num_layers
+
+    def with_layers(self, layers: list[LayerKV] | tuple[LayerKV, ...], name: str | None = None) -> KVQuantConfig:
+        return dataclasses.replace(self, layers=tuple(layers), name=name or self.name)
+
+    # ----------------------------------------------------------------- presets
+    @classmethod
+    def preset(cls, name: str) -> KVQuantConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        return PRESETS[name]
+
+    @staticmethod
+    def preset_names() -> list[str]:
+        return list(PRESETS)
+
+    # ----------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kvq_ao_config": self.version,
+            "name": self.name,
+            "sink_tokens": self.sink_tokens,
+            "residual_length": self.residual_length,
+            "scale_dtype": self.scale_dtype,
+            "default": self.default.to_dict(),
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVQuantConfig:
+        if not isinstance(d, dict) or "kvq_ao_config" not in d:
+            raise ValueError("not a kvq_ao config: expected a JSON object with a 'kvq_ao_config' version field")
+        _check_keys(d, {"kvq_ao_config", "name", "sink_tokens", "residual_length", "scale_dtype", "default", "layers"}, "config")
+        layers = d.get("layers", [])
+        if not isinstance(layers, list):
+            raise ValueError(f"config 'layers' must be a list, got {type(layers).__name__}")
+        return cls(
+            default=LayerKV.from_dict(d.get("default", {})),
+            layers=tuple(LayerKV.from_dict(x) for x in layers),
+            sink_tokens=d.get("sink_tokens", 0),
+            residual_length=d.get("residual_length", 0),
+            scale_dtype=d.get("scale_dtype", "float16"),
+            name=d.get("name", "custom"),
+            version=d["kvq_ao_config"],
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> KVQuantConfig:
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: invalid kvq_ao config: {e}") from None
+
+
+def _check_keys(d: Any, allowed: set[str], what: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(d).__name__}")
+    unknown = set(d) - allowed
+    if unknown:
+        raise ValueError(f"{what} has unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _kivi(bits: int) -> KVQuantConfig:
+    return KVQuantConfig(
+        default=LayerKV(QuantSpec(bits, "channel", 32), QuantSpec(bits, "token", 32)),
+        residual_length=128,
+        name=f"kivi-{bits}",
+    )
+
+
+PRESETS: dict[str, KVQuantConfig] = {
+    "fp": KVQuantConfig(name="fp"),
+    "int8": KVQuantConfig(default=LayerKV(QuantSpec(8, "token", 64), QuantSpec(8, "token", 64)), name="int8"),
+    "int4-token": KVQuantConfig(default=LayerKV(QuantSpec(4, "token", 32), QuantSpec(4, "token", 32)), name="int4-token"),
+    "kivi-4": _kivi(4),
+    "kivi-3": _kivi(3),
+    "kivi-2": _kivi(2),
+}

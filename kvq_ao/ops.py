@@ -1,0 +1,131 @@
+"""The `kvq` torch.library ops, each with its fake (meta) kernel right below it.
+
+Ops are functional (they never write their inputs): the cache appends their results into its
+preallocated buffers with `index_copy_`, which compile, torch.export and ExecuTorch all handle.
+The implementations live in `kvq_ao.kernels.composite` (core ATen only); fake kernels give
+shapes and dtypes without touching data, so torch.compile and torch.export can trace the ops.
+Every op validates its arguments in one shared helper so real and fake kernels reject the same
+inputs with the same message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq_ao.kernels import composite
+from kvq_ao.quant.packing import SUPPORTED_BITS, packed_size
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, check_shape
+
+
+def _check_format(bits: int, axis: int, group: int, allow_fp: bool = False) -> None:
+    if not (bits in SUPPORTED_BITS or (allow_fp and bits == 0)):
+        raise ValueError(f"kvq: bits must be one of {SUPPORTED_BITS}{' or 0 (float)' if allow_fp else ''}, got {bits}")
+    if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
+        raise ValueError(f"kvq: axis must be {AXIS_TOKEN} (token) or {AXIS_CHANNEL} (channel), got {axis}")
+
+
+def _meta_shapes(shape, bits: int, axis: int, group: int) -> tuple[list[int], list[int]]:
+    """(codes shape, scale shape) of a [..., T, D] tensor in this format."""
+    *lead, t, d = shape
+    check_shape(t, d, axis, group)
+    codes = [*lead, t, packed_size(d, bits)]
+    scale = [*lead, t, d // group] if axis == AXIS_TOKEN else [*lead, t // group, d]
+    return codes, scale
+
+
+# --------------------------------------------------------------------------- quantize
+@torch.library.custom_op("kvq::quantize", mutates_args=())
+def quantize(
+    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., T, D] float -> (packed uint8 codes, scale, zero) in scale_dtype."""
+    _check_format(bits, axis, group)
+    _meta_shapes(x.shape, bits, axis, group)
+    return composite.quantize(x, bits, axis, group, scale_dtype)
+
+
+@quantize.register_fake
+def _(x, bits, axis, group, scale_dtype):
+    _check_format(bits, axis, group)
+    codes, scale = _meta_shapes(x.shape, bits, axis, group)
+    return (
+        x.new_empty(codes, dtype=torch.uint8),
+        x.new_empty(scale, dtype=scale_dtype),
+        x.new_empty(scale, dtype=scale_dtype),
+    )
+
+
+# --------------------------------------------------------------------------- dequantize
+@torch.library.custom_op("kvq::dequantize", mutates_args=())
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, axis: int, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Packed codes [..., T, D*bits/8] -> [..., T, D] in dtype (bits == 0: codes are already float)."""
+    _check_format(bits, axis, group, allow_fp=True)
+    return composite.dequantize(codes, scale, zero, bits, axis, group, dtype)
+
+
+@dequantize.register_fake
+def _(codes, scale, zero, bits, axis, group, dtype):
+    _check_format(bits, axis, group, allow_fp=True)
+    if bits == 0:
+        return codes.new_empty(codes.shape, dtype=dtype)
+    *lead, t, m = codes.shape
+    return codes.new_empty([*lead, t, m * 8 // bits], dtype=dtype)
+
+
+# --------------------------------------------------------------------------- attention
+@torch.library.custom_op("kvq::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    side_k: torch.Tensor,
+    side_v: torch.Tensor,
+    side_pos: torch.Tensor,
+    body_end: torch.Tensor,
+    mask: torch.Tensor,
+    body_start: int,
+    scaling: float,
+    k_bits: int,
+    k_axis: int,
+    k_group: int,
+    v_bits: int,
+    v_axis: int,
+    v_group: int,
+) -> torch.Tensor:
+    """Attention of q [B, Hq, Tq, D] over one layer's quantized cache; see kernels/composite.py."""
+    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis, v_group)
+    return composite.attention(
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, side_k, side_v, side_pos, body_end, mask,
+        body_start, scaling, k_bits, k_axis, k_group, v_bits, v_axis, v_group,
+    )  # fmt: skip
+
+
+@attention.register_fake
+def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, side_k, side_v, side_pos, body_end, mask,
+      body_start, scaling, k_bits, k_axis, k_group, v_bits, v_axis, v_group):  # fmt: skip
+    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis, v_group)
+    return q.new_empty([*q.shape[:-1], side_v.shape[-1]])
+
+
+def _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis, v_group):
+    _check_format(k_bits, k_axis, k_group, allow_fp=True)
+    _check_format(v_bits, v_axis, v_group, allow_fp=True)
+    if q.dim() != 4 or k_codes.dim() != 4 or v_codes.dim() != 4:
+        raise ValueError("kvq.attention: q and the cache must be 4-D [batch, heads, tokens, head_dim]")
+    hq, hkv = q.shape[1], k_codes.shape[1]
+    if hq % hkv:
+        raise ValueError(f"kvq.attention: {hq} query heads is not a multiple of {hkv} key/value heads")
+    if q.shape[-1] != side_k.shape[-1]:
+        raise ValueError(f"kvq.attention: query head_dim {q.shape[-1]} != key head_dim {side_k.shape[-1]}")
+    if mask.dtype != torch.bool or mask.dim() != 4:
+        raise ValueError("kvq.attention: mask must be a 4-D bool tensor [batch, 1 or heads, q_len, kv_len]")
+    if mask.shape[-1] != k_codes.shape[2]:
+        raise ValueError(f"kvq.attention: mask covers {mask.shape[-1]} positions but the cache holds {k_codes.shape[2]}")
+    if side_pos.dim() != 1 or side_pos.shape[0] != side_k.shape[2] or side_pos.dtype != torch.int64:
+        raise ValueError("kvq.attention: side_pos must be int64 [side_len] matching side_k's token axis")

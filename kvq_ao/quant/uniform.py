@@ -1,0 +1,94 @@
+"""Asymmetric uniform quantization of KV tensors along either axis, with groups.
+
+A KV tensor is [..., T, D] (tokens, head_dim). Two groupings matter for KV caches:
+
+* ``AXIS_TOKEN``: each token's D channels are split into groups of G channels, one
+  (scale, min) per group -> metadata [..., T, D/G]. Streams token by token (values, KIVI).
+* ``AXIS_CHANNEL``: each channel is quantized over a block of G consecutive tokens, one
+  (scale, min) per channel per block -> metadata [..., T/G, D]. Keys have a few channels with
+  large magnitude (KIVI, KVQuant); per-channel grouping keeps them from wasting everyone's range.
+
+Convention: ``x ~= code * scale + zero`` with ``zero`` the group minimum (a float zero point,
+as KIVI does), codes in [0, 2**bits). Scale and zero are stored in ``scale_dtype`` (float16
+by default, as in KIVI); codes are computed against the stored (rounded) scale and zero, so
+dequantization is exactly what attention will see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq_ao.quant.packing import pack, unpack
+
+AXIS_TOKEN = 0
+AXIS_CHANNEL = 1
+
+
+def _grouped(x: torch.Tensor, axis: int, group: int) -> torch.Tensor:
+    """View [..., T, D] as groups: token axis -> [..., T, D/G, G]; channel -> [..., T/G, G, D]."""
+    *lead, t, d = x.shape
+    if axis == AXIS_TOKEN:
+        return x.reshape(*lead, t, d // group, group)
+    return x.reshape(*lead, t // group, group, d)
+
+
+def _reduce_dim(axis: int) -> int:
+    return -1 if axis == AXIS_TOKEN else -2
+
+
+def check_shape(t: int, d: int, axis: int, group: int) -> None:
+    """Raise a clear error when a [.., t, d] tensor cannot be grouped as asked."""
+    if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
+        raise ValueError(f"axis must be {AXIS_TOKEN} (per-token) or {AXIS_CHANNEL} (per-channel), got {axis}")
+    if group <= 0:
+        raise ValueError(f"group size must be positive, got {group}")
+    if axis == AXIS_TOKEN and d % group:
+        raise ValueError(f"per-token group size {group} does not divide head_dim {d}")
+    if axis == AXIS_CHANNEL and t % group:
+        raise ValueError(f"per-channel quantization needs whole blocks of {group} tokens, got {t} tokens")
+
+
+def quantize_uniform(
+    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize x [..., T, D] -> (packed uint8 [..., T, D*bits/8], scale, zero).
+
+    Constant groups (zero range) get scale 0 and reproduce their value exactly as `zero`.
+    """
+    *_, t, d = x.shape
+    check_shape(t, d, axis, group)
+    levels = 2**bits - 1
+    g = _grouped(x.float(), axis, group)
+    dim = _reduce_dim(axis)
+    lo = g.amin(dim=dim, keepdim=True)
+    hi = g.amax(dim=dim, keepdim=True)
+    finfo = torch.finfo(scale_dtype)
+    # Store zero rounded down and scale rounded up, so every element stays inside the stored
+    # range and the error bound is half a step of the *stored* scale, whatever scale_dtype is.
+    zero = lo.clamp(finfo.min, finfo.max).to(scale_dtype)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, finfo.min)), zero)
+    scale = ((hi - zero.float()) / levels).clamp(0, finfo.max).to(scale_dtype)
+    too_small = scale.float() * levels + zero.float() < hi
+    scale = torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, finfo.max)), scale)
+    scale_f = scale.float()
+    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    codes = torch.round((g - zero.float()) / safe).clamp(0, levels)
+    codes = codes.reshape(x.shape).to(torch.uint8)
+    return pack(codes, bits), scale.squeeze(dim), zero.squeeze(dim)
+
+
+def dequantize_uniform(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    axis: int,
+    group: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of `quantize_uniform`: -> [..., T, D] in out_dtype."""
+    codes = unpack(packed, bits)
+    g = _grouped(codes, axis, group).to(torch.float32)
+    dim = _reduce_dim(axis)
+    x = g * scale.unsqueeze(dim).to(torch.float32) + zero.unsqueeze(dim).to(torch.float32)
+    return x.reshape(codes.shape).to(out_dtype)
