@@ -5,6 +5,7 @@
     model.generate(ids, max_new_tokens=64)   # now keeps and reads a quantized cache
 """
 
+from kvq_ao import _torchao  # noqa: F401  (first: imports torchao quietly before transformers does)
 from kvq_ao.api import make_cache, quantize_kv_
 from kvq_ao.cache import QuantizedKVCache
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec

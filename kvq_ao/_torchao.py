@@ -20,6 +20,8 @@ def _quiet_import():
             from torchao.core.config import AOBaseConfig
             from torchao.quantization.transform_module import register_quantize_module_handler
             from torchao.utils import TorchAOBaseTensor
+
+            import torchao.prototype.mx_formats.config  # noqa: F401  (transformers imports it later)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

@@ -224,6 +224,12 @@ class QuantizedLayer(CacheLayerMixin):
         The ring holds residual + block positions, so the block's oldest token is still there
         after this token's write (with residual + block - 1 it would just have been evicted).
         """
+        if self.max_cache_len is not None and not torch.compiler.is_compiling():
+            if int(self.cumulative_length) >= self.max_cache_len:
+                raise ValueError(
+                    f"static KV cache overflow: {int(self.cumulative_length) + 1} tokens requested but the cache "
+                    f"was built with max_cache_len={self.max_cache_len}"
+                )
         pos = self.cumulative_length.reshape(1)
         slot = self._slot(pos)
         self.side_k.index_copy_(2, slot, k)

@@ -1,0 +1,200 @@
+"""`kvq`: evaluate, generate with, and demonstrate quantized KV caches from a shell.
+
+    kvq eval --model smollm2 --preset kivi-4 --json
+    kvq generate --model smollm2 --preset kivi-2 --prompt "Why is the sky blue?"
+    kvq presets
+    kvq demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2' (packaged), a transformers folder, or a .gguf file")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--preset", default=None, help="a preset name (see `kvq presets`)")
+    group.add_argument("--config", default=None, help="a config JSON file (KVQuantConfig.save)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _config(args):
+    from kvq_ao.config import KVQuantConfig
+
+    if args.config:
+        return KVQuantConfig.load(args.config)
+    return KVQuantConfig.preset(args.preset or "kivi-4")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def _load(args):
+    import torch
+
+    from kvq_ao.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_model(args.model, log=_log)
+
+
+def _eval_text(args) -> str:
+    from kvq_ao.models import pydoc_text
+
+    if args.text_file:
+        try:
+            return Path(args.text_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise SystemExit(f"kvq: {args.text_file} is not UTF-8 text ({e})") from None
+    return pydoc_text("eval")
+
+
+def cmd_eval(args) -> int:
+    from kvq_ao.eval import evaluate, text_windows
+
+    config = _config(args)
+    model, tokenizer = _load(args)
+    windows = text_windows(tokenizer, _eval_text(args), args.windows, args.window_len)
+    result = evaluate(model, windows, config, chunk=args.chunk, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        _print_results([result])
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from kvq_ao.api import make_cache, quantize_kv_
+    from kvq_ao.eval import greedy
+
+    config = _config(args)
+    model, tokenizer = _load(args)
+    quantize_kv_(model, config)
+    cache = make_cache(model, max_cache_len=args.static) if args.static else None
+    with torch.no_grad():
+        out = greedy(model, tokenizer, args.prompt, args.max_new_tokens, cache=cache)
+    print(tokenizer.decode(out, skip_special_tokens=True))
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvq_ao.config import KVQuantConfig
+    from kvq_ao.memory import estimate
+
+    table = Table(title=f"presets: bits per K/V element at {args.tokens} tokens (SmolLM2 shape, fp32 model)")
+    for col in ("preset", "keys", "values", "sink", "fp window", "bits/element", "bytes/token"):
+        table.add_column(col)
+    for name in KVQuantConfig.preset_names():
+        cfg = KVQuantConfig.preset(name)
+        rep = estimate(cfg, 30, 3, 64, args.tokens)
+        k, v = cfg.default.key, cfg.default.value
+        fmt = lambda s: "fp" if not s.is_quantized else f"{s.bits}-bit {s.axis} g{s.group_size}"  # noqa: E731
+        table.add_row(name, fmt(k), fmt(v), str(cfg.sink_tokens), str(cfg.residual_length),
+                      f"{rep.bits_per_element:.2f}", f"{rep.bytes_per_token:.0f}")  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+def _print_results(results) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="KV cache quality (through the quantized cache) and memory")
+    for col in ("config", "PPL", "PPL fp", "ΔPPL %", "KL", "top-1 agree", "bits/elem", "bits@4096", "KV B/token", "tokens"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r.config, f"{r.ppl:.3f}", f"{r.ppl_fp:.3f}", f"{100 * (r.ppl_ratio - 1):+.2f}", f"{r.kl:.4f}",
+                      f"{r.token_agreement:.3f}", f"{r.avg_bits:.2f}", f"{r.avg_bits_at_4096:.2f}",
+                      f"{r.kv_bytes_per_token:.0f}", str(r.tokens))  # fmt: skip
+    Console().print(table)
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from kvq_ao.api import quantize_kv_
+    from kvq_ao.config import KVQuantConfig
+    from kvq_ao.eval import CHAT_PROMPTS, evaluate, greedy, text_windows
+
+    model, tokenizer = _load(args)
+    windows = text_windows(tokenizer, _eval_text(args), args.windows, args.window_len)
+    presets = args.presets.split(",")
+    _log(f"evaluating {len(presets)} configs on {windows.numel()} tokens of {'your text' if args.text_file else 'pydoc_data'} text")
+    results = [evaluate(model, windows, KVQuantConfig.preset(p), chunk=args.chunk) for p in presets]
+    _print_results(results)
+    prompt = args.prompt or CHAT_PROMPTS[1]
+    print(f"\nGreedy answers to: {prompt!r}")
+    for p in presets:
+        quantize_kv_(model, KVQuantConfig.preset(p))
+        with torch.no_grad():
+            out = greedy(model, tokenizer, prompt, args.max_new_tokens)
+        print(f"[{p}] {tokenizer.decode(out, skip_special_tokens=True).strip()}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
+        _log(f"wrote {args.json_out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvq", description="Quantized KV caches for transformers models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def text_args(p, windows, window_len):
+        p.add_argument("--text-file", default=None, help="evaluate this UTF-8 text instead of pydoc_data's")
+        p.add_argument("--windows", type=int, default=windows, help="number of text windows")
+        p.add_argument("--window-len", type=int, default=window_len, help="tokens per window (fresh cache each)")
+        p.add_argument("--chunk", type=int, default=64, help="tokens per forward pass through the cache")
+
+    p = sub.add_parser("eval", help="perplexity, KL and agreement vs the fp cache, plus memory")
+    _add_model_args(p)
+    text_args(p, 8, 1024)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="greedy generation with the quantized cache")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--static", type=int, default=None, metavar="MAX_LEN", help="use a static cache of this length")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("presets", help="list presets and their memory")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("demo", help="end-to-end demo: quality, memory and answers for several presets")
+    _add_model_args(p)
+    text_args(p, 4, 1024)
+    p.add_argument("--presets", default="fp,int8,kivi-4,kivi-2,int4-token")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--json-out", default=None, help="also write the results as JSON")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import kvq_ao  # noqa: F401  (imports torchao quietly before transformers would, loudly)
+
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvq: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

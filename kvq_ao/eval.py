@@ -1,0 +1,147 @@
+"""Quality of a quantized cache, measured through the same cache code path generation uses.
+
+Perplexity: the text is cut into windows; each window starts a fresh `QuantizedKVCache` and is
+fed in chunks, so every chunk attends to the already-quantized cache through
+`torch.ops.kvq.attention` (the chunk's own tokens included, as the cache holds them). The fp
+reference runs each window in one pass without any cache.
+
+Reported: perplexity (quantized and fp), mean KL(fp || quantized) of the next-token
+distribution, top-1 agreement with fp, and the cache's memory as held at the end of a window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kvq_ao.api import make_cache, model_dims, quantize_kv_
+from kvq_ao.config import KVQuantConfig
+from kvq_ao.memory import estimate
+
+
+@dataclass
+class EvalResult:
+    config: str
+    ppl: float
+    ppl_fp: float
+    ppl_ratio: float
+    kl: float
+    token_agreement: float
+    tokens: int
+    avg_bits: float
+    kv_bytes_per_token: float
+    avg_bits_at_4096: float
+    window: int
+    chunk: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.Tensor:
+    """[n, window_len] token ids: consecutive, non-overlapping windows from the start of text."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    n = min(windows, ids.numel() // window_len)
+    if n == 0:
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of {window_len}")
+    return ids[: n * window_len].reshape(n, window_len)
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 64, progress: bool = True) -> EvalResult:
+    """Evaluate `config` on token windows [n, W] (see `text_windows`)."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    quantize_kv_(model, config)
+    n, w = windows.shape
+    nll = nll_fp = kl = agree = 0.0
+    counted = 0
+    report = None
+    bar = tqdm(total=n * math.ceil(w / chunk), desc=f"eval {config.name}", disable=not progress, leave=False)
+    for row in windows:
+        ids = row.unsqueeze(0)
+        fp_logits = model(ids).logits[0, :-1].float()
+        cache = make_cache(model, config)
+        parts = []
+        for start in range(0, w, chunk):
+            parts.append(model(ids[:, start : start + chunk], cache=cache).logits[0].float())
+            bar.update()
+        q_logits = torch.cat(parts)[:-1]
+        target = row[1:]
+        logp_q, logp_fp = F.log_softmax(q_logits, -1), F.log_softmax(fp_logits, -1)
+        nll += F.nll_loss(logp_q, target, reduction="sum").item()
+        nll_fp += F.nll_loss(logp_fp, target, reduction="sum").item()
+        kl += F.kl_div(logp_q, logp_fp, log_target=True, reduction="sum").item()
+        agree += (q_logits.argmax(-1) == fp_logits.argmax(-1)).sum().item()
+        counted += target.numel()
+        report = cache.memory_report()
+    bar.close()
+    layers, heads, head_dim = model_dims(model)
+    steady = estimate(config, layers, heads, head_dim, 4096)
+    return EvalResult(
+        config=config.name,
+        ppl=math.exp(nll / counted),
+        ppl_fp=math.exp(nll_fp / counted),
+        ppl_ratio=math.exp((nll - nll_fp) / counted),
+        kl=kl / counted,
+        token_agreement=agree / counted,
+        tokens=counted,
+        avg_bits=report.bits_per_element,
+        kv_bytes_per_token=report.bytes_per_token,
+        avg_bits_at_4096=steady.bits_per_element,
+        window=w,
+        chunk=chunk,
+    )
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, prompt: str, max_new_tokens: int, cache=None, chat: bool = True) -> torch.Tensor:
+    """Greedy continuation ids of `prompt` (chat template applied when the tokenizer has one)."""
+    if chat and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    kwargs = {"cache": cache} if cache is not None else {}
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        min_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs,
+    )  # fmt: skip
+    return out[0, ids.shape[1] :]
+
+
+@torch.no_grad()
+def generation_agreement(model, tokenizer, prompts: list[str], config: KVQuantConfig, max_new_tokens: int = 32,
+                         progress: bool = True) -> dict:  # fmt: skip
+    """Greedy generation with the fp cache vs `config`: positional token agreement per prompt.
+
+    Generation runs exactly `max_new_tokens` (EOS does not stop it) so every prompt contributes
+    the same number of compared tokens.
+    """
+    from transformers import DynamicCache
+
+    quantize_kv_(model, config)
+    rows = []
+    for prompt in tqdm(prompts, desc=f"generate {config.name}", disable=not progress, leave=False):
+        fp = greedy(model, tokenizer, prompt, max_new_tokens, cache=DynamicCache(config=model.config))
+        q = greedy(model, tokenizer, prompt, max_new_tokens)
+        same = (fp == q).tolist()
+        first_diff = same.index(False) if False in same else len(same)
+        rows.append({"prompt": prompt, "agree": sum(same), "first_divergence": first_diff,
+                     "fp": tokenizer.decode(fp), "quantized": tokenizer.decode(q)})  # fmt: skip
+    total = sum(r["agree"] for r in rows)
+    return {"config": config.name, "agree": total, "compared": len(prompts) * max_new_tokens,
+            "agreement": total / (len(prompts) * max_new_tokens), "prompts": rows}  # fmt: skip
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about the sea.",
+    "Give three tips for learning a new programming language.",
+    "What is the difference between a list and a tuple in Python?",
+]

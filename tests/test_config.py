@@ -1,0 +1,89 @@
+"""KVQuantConfig: presets, JSON round trip, and clear errors for bad input."""
+
+import json
+
+import pytest
+
+from kvq_ao.config import PRESETS, KVQuantConfig, LayerKV, QuantSpec
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip_through_json(name, tmp_path):
+    cfg = KVQuantConfig.preset(name)
+    path = tmp_path / "cfg.json"
+    cfg.save(path)
+    assert KVQuantConfig.load(path) == cfg
+
+
+def test_kivi_presets_follow_kivi():
+    for bits in (2, 4):
+        cfg = KVQuantConfig.preset(f"kivi-{bits}")
+        assert cfg.default.key == QuantSpec(bits, "channel", 32)
+        assert cfg.default.value == QuantSpec(bits, "token", 32)
+        assert cfg.residual_length == 128
+
+
+def test_per_layer_config_round_trips_and_resolves(tmp_path):
+    layers = [LayerKV(QuantSpec(8), QuantSpec(4)), LayerKV(QuantSpec(2, "channel"), QuantSpec(None))]
+    cfg = KVQuantConfig(layers=tuple(layers), sink_tokens=1, name="mixed")
+    cfg.save(tmp_path / "m.json")
+    again = KVQuantConfig.load(tmp_path / "m.json")
+    assert again == cfg and again.resolve(2) == tuple(layers)
+    assert json.loads((tmp_path / "m.json").read_text())["layers"][1]["value"]["bits"] == "none"
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown preset 'kivi-5'.*kivi-4"):
+        KVQuantConfig.preset("kivi-5")
+
+
+@pytest.mark.parametrize("bits", [1, 5, 16, 0, "4", True])
+def test_bits_outside_the_allowed_set_are_rejected(bits):
+    with pytest.raises(ValueError, match="bits must be one of"):
+        QuantSpec(bits=bits)
+
+
+def test_bad_axis_group_and_lengths_are_rejected():
+    with pytest.raises(ValueError, match="axis must be one of"):
+        QuantSpec(4, axis="row")
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        QuantSpec(4, group_size=0)
+    with pytest.raises(ValueError, match="residual_length must be a non-negative int"):
+        KVQuantConfig(residual_length=-1)
+    with pytest.raises(ValueError, match="sink_tokens .* must be smaller than the per-channel token group"):
+        KVQuantConfig(default=LayerKV(QuantSpec(4, "channel", 8)), sink_tokens=8)
+
+
+def test_group_not_dividing_head_dim_is_named():
+    with pytest.raises(ValueError, match="group_size 48 does not divide head_dim 64"):
+        QuantSpec(4, "token", 48).check_head_dim(64)
+
+
+def test_layer_count_mismatch_is_named():
+    cfg = KVQuantConfig(layers=(LayerKV(),) * 3, name="three")
+    with pytest.raises(ValueError, match="has 3 layer specs but the model has 30 layers"):
+        cfg.resolve(30)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"name": "x"}', "kvq_ao_config"),
+        ('{"kvq_ao_config": 1, "default": {"key": {"bits": 7}}}', "bits must be one of"),
+        ('{"kvq_ao_config": 1, "default": {"key": {"bitz": 4}}}', r"unknown field\(s\) \['bitz'\]"),
+        ('{"kvq_ao_config": 99}', "unsupported config version"),
+        ('{"kvq_ao_config": 1, "layers": {"0": {}}}', "'layers' must be a list"),
+        ('{"kvq_ao_config": 1, "scale_dtype": "int8"}', "scale_dtype must be one of"),
+    ],
+)
+def test_invalid_json_files_are_rejected_with_the_reason(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        KVQuantConfig.load(path)
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        KVQuantConfig.preset("int8").residual_length = 3
