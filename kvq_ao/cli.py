@@ -102,7 +102,7 @@ def cmd_presets(args) -> int:
         fmt = lambda s: "fp" if not s.is_quantized else f"{s.bits}-bit {s.axis} g{s.group_size}"  # noqa: E731
         table.add_row(name, fmt(k), fmt(v), str(cfg.sink_tokens), str(cfg.residual_length),
                       f"{rep.bits_per_element:.2f}", f"{rep.bytes_per_token:.0f}")  # fmt: skip
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     return 0
 
 
@@ -117,7 +117,7 @@ def _print_results(results) -> None:
         table.add_row(r.config, f"{r.ppl:.3f}", f"{r.ppl_fp:.3f}", f"{100 * (r.ppl_ratio - 1):+.2f}", f"{r.kl:.4f}",
                       f"{r.token_agreement:.3f}", f"{r.avg_bits:.2f}", f"{r.avg_bits_at_4096:.2f}",
                       f"{r.kv_bytes_per_token:.0f}", str(r.tokens))  # fmt: skip
-    Console().print(table)
+    Console(width=max(Console().width, 140)).print(table)
 
 
 def cmd_demo(args) -> int:
@@ -125,7 +125,7 @@ def cmd_demo(args) -> int:
 
     from kvq_ao.api import quantize_kv_
     from kvq_ao.config import KVQuantConfig
-    from kvq_ao.eval import CHAT_PROMPTS, evaluate, greedy, text_windows
+    from kvq_ao.eval import evaluate, greedy, text_windows
 
     model, tokenizer = _load(args)
     windows = text_windows(tokenizer, _eval_text(args), args.windows, args.window_len)
@@ -133,8 +133,8 @@ def cmd_demo(args) -> int:
     _log(f"evaluating {len(presets)} configs on {windows.numel()} tokens of {'your text' if args.text_file else 'pydoc_data'} text")
     results = [evaluate(model, windows, KVQuantConfig.preset(p), chunk=args.chunk) for p in presets]
     _print_results(results)
-    prompt = args.prompt or CHAT_PROMPTS[1]
-    print(f"\nGreedy answers to: {prompt!r}")
+    prompt = args.prompt or _demo_prompt()
+    print(f"\nGreedy answers to: {prompt[-300:]!r} (last 300 characters of {len(prompt)})")
     for p in presets:
         quantize_kv_(model, KVQuantConfig.preset(p))
         with torch.no_grad():
@@ -144,6 +144,14 @@ def cmd_demo(args) -> int:
         Path(args.json_out).write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
         _log(f"wrote {args.json_out}")
     return 0
+
+
+def _demo_prompt() -> str:
+    """A passage long enough that KIVI's 128-token fp window does not cover it, then a question:
+    the answer has to come through the quantized part of the cache."""
+    from pydoc_data.topics import topics
+
+    return topics["assert"].strip() + "\n\nIn two sentences, what does the text above say assert statements are for?"
 
 
 def build_parser() -> argparse.ArgumentParser:
