@@ -23,6 +23,7 @@ from transformers.modeling_utils import AttentionInterface
 from kvq_ao._torchao import register_quantize_module_handler
 from kvq_ao.cache import QuantizedKVCache
 from kvq_ao.config import KVQuantConfig
+from kvq_ao.ops import enable_inductor_fusion
 from kvq_ao.tensor import QuantizedKV
 
 ATTN_NAME = "kvq"
@@ -108,6 +109,7 @@ def quantize_kv_(model, config: KVQuantConfig):
     if not isinstance(config, KVQuantConfig):
         raise TypeError(f"config must be a KVQuantConfig, got {type(config).__name__}")
     check_model(model, config)
+    enable_inductor_fusion()
     model.kvq_config = config
     if getattr(model, "_kvq_previous_attn", None) is None:
         model._kvq_previous_attn = model.config._attn_implementation
@@ -141,3 +143,17 @@ def _torchao_handler(module, config: KVQuantConfig):
             f"(it matched a {type(module).__name__})"
         )
     return quantize_kv_(module, config)
+
+
+def compile_config(fullgraph: bool = True, mode: str = "default"):
+    """A transformers `CompileConfig` for compiled `generate()` with the static quantized cache.
+
+    transformers skips compilation on CPU unless the private `_compile_all_devices` flag is set;
+    with it, generate compiles the decode step once (one graph, no recompiles across steps,
+    caches or prompt lengths: `tests/test_compile.py`).
+    """
+    from transformers import CompileConfig
+
+    cc = CompileConfig(fullgraph=fullgraph, mode=mode)
+    cc._compile_all_devices = True
+    return cc

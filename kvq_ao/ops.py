@@ -129,3 +129,26 @@ def _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits
         raise ValueError(f"kvq.attention: mask covers {mask.shape[-1]} positions but the cache holds {k_codes.shape[2]}")
     if side_pos.dim() != 1 or side_pos.shape[0] != side_k.shape[2] or side_pos.dtype != torch.int64:
         raise ValueError("kvq.attention: side_pos must be int64 [side_len] matching side_k's token axis")
+
+
+# --------------------------------------------------------------------------- inductor fusion
+_FUSION_ENABLED = False
+
+
+def enable_inductor_fusion() -> None:
+    """Let inductor trace the ops' composite implementations instead of calling them opaquely.
+
+    A custom op with only a backend kernel stays an extern call under inductor (no fusion, eager
+    speed). Registered as inductor decompositions, the composite code is traced and fused: decode
+    attention becomes one loop over packed codes with no float [T, D] buffer. Done lazily (from
+    `quantize_kv_`) because importing inductor costs seconds that `import kvq_ao` should not pay.
+    """
+    global _FUSION_ENABLED
+    if _FUSION_ENABLED:
+        return
+    from torch._inductor.decomposition import register_decomposition
+
+    register_decomposition(torch.ops.kvq.quantize.default)(composite.quantize)
+    register_decomposition(torch.ops.kvq.dequantize.default)(composite.dequantize)
+    register_decomposition(torch.ops.kvq.attention.default)(composite.attention)
+    _FUSION_ENABLED = True
