@@ -48,6 +48,21 @@ def check_shape(t: int, d: int, axis: int, group: int) -> None:
         raise ValueError(f"per-channel quantization needs whole blocks of {group} tokens, got {t} tokens")
 
 
+def _step(x: torch.Tensor, direction: float) -> torch.Tensor:
+    """x moved by about one unit in the last place of its dtype, in `direction` (+1 / -1).
+
+    `torch.nextafter` would do, but it is not core ATen (ExecuTorch rejects it); 0.75 ulp
+    computed in float32 rounds to the neighbouring representable value (or two ulps at a power
+    of two), which is all the callers need: strictly past x, still within a few ulps.
+    """
+    finfo = torch.finfo(x.dtype)
+    xf = x.float()
+    magnitude = xf.abs().clamp(min=finfo.tiny)
+    ulp = torch.pow(2.0, torch.floor(torch.log2(magnitude))) * finfo.eps
+    ulp = ulp.clamp(min=finfo.smallest_normal * finfo.eps)
+    return (xf + direction * 0.75 * ulp).to(x.dtype)
+
+
 def quantize_uniform(
     x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,10 +81,10 @@ def quantize_uniform(
     # Store zero rounded down and scale rounded up, so every element stays inside the stored
     # range and the error bound is half a step of the *stored* scale, whatever scale_dtype is.
     zero = lo.clamp(finfo.min, finfo.max).to(scale_dtype)
-    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, finfo.min)), zero)
+    zero = torch.where(zero.float() > lo, _step(zero, -1.0), zero)
     scale = ((hi - zero.float()) / levels).clamp(0, finfo.max).to(scale_dtype)
     too_small = scale.float() * levels + zero.float() < hi
-    scale = torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, finfo.max)), scale)
+    scale = torch.where(too_small, _step(scale, 1.0), scale)
     scale_f = scale.float()
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
     codes = torch.round((g - zero.float()) / safe).clamp(0, levels)
