@@ -1,1 +1,23 @@
-"""Deployment export (installed as `kvq_ao.export`): ExecuTorch and ONNX exporters live here (issue 3)."""
+"""Deployment export (installed as `kvq_ao.export`): ExecuTorch `.pte` and ONNX with the packed cache.
+
+    from kvq_ao.export import export_executorch, export_onnx
+    export_executorch(model, cfg, "model.pte", max_seq_len=256)
+    export_onnx(model, cfg, "model.onnx", max_seq_len=256)
+
+executorch, onnx, onnxscript and onnxruntime are imported only when used.
+"""
+
+
+def export_executorch(*args, **kwargs):
+    from kvq_ao.export.executorch import export_executorch as run
+
+    return run(*args, **kwargs)
+
+
+def export_onnx(*args, **kwargs):
+    from kvq_ao.export.onnx import export_onnx as run
+
+    return run(*args, **kwargs)
+
+
+__all__ = ["export_executorch", "export_onnx"]

@@ -82,12 +82,12 @@ def quantize_uniform(
     # range and the error bound is half a step of the *stored* scale, whatever scale_dtype is.
     zero = lo.clamp(finfo.min, finfo.max).to(scale_dtype)
     zero = torch.where(zero.float() > lo, _step(zero, -1.0), zero)
-    scale = ((hi - zero.float()) / levels).clamp(0, finfo.max).to(scale_dtype)
+    scale = ((hi - zero.float()) / levels).clamp(0.0, finfo.max).to(scale_dtype)
     too_small = scale.float() * levels + zero.float() < hi
     scale = torch.where(too_small, _step(scale, 1.0), scale)
     scale_f = scale.float()
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    codes = torch.round((g - zero.float()) / safe).clamp(0, levels)
+    codes = torch.round((g - zero.float()) / safe).clamp(0.0, float(levels))
     codes = codes.reshape(x.shape).to(torch.uint8)
     return pack(codes, bits), scale.squeeze(dim), zero.squeeze(dim)
 

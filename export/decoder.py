@@ -1,0 +1,97 @@
+"""A one-token decode step with the static quantized cache, shaped for torch.export.
+
+`DecodeStep(model, config, max_seq_len)` owns a `QuantizedKVCache` (static) and exposes
+`forward(input_ids [1, 1], cache_position [1]) -> logits [1, 1, vocab]`. Prompts are fed one token
+at a time (the same tensor-only append path `torch.compile` traces). The cache's packed tensors
+are registered as buffers, so torch.export sees them as mutable buffers (ExecuTorch keeps them
+in the program); `cache_tensors` / `load_cache_tensors` let the ONNX exporter pass them in and
+out instead, since ONNX drops in-place buffer mutation.
+
+Restarting at `cache_position == 0` reuses the buffers safely: the length is reset from the
+position, stale side entries are either overwritten or at positions the causal mask hides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq_ao.api import check_model, make_cache, model_dims, quantize_kv_
+from kvq_ao.config import KVQuantConfig
+from kvq_ao.kernels import composite
+
+# Tensors of one layer, in a fixed order (names are used for buffers and ONNX inputs/outputs).
+LAYER_TENSORS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "side_k", "side_v", "side_pos", "body_end", "length")
+# Buffers whose initial value matters (ExecuTorch leaves other mutable buffers uninitialized).
+INITIALIZED = ("side_pos",)
+
+DECOMPOSITIONS = {
+    torch.ops.kvq.quantize.default: composite.quantize,
+    torch.ops.kvq.dequantize.default: composite.dequantize,
+    torch.ops.kvq.attention.default: composite.attention,
+}
+
+
+def _layer_tensors(layer) -> dict[str, torch.Tensor]:
+    kc, ks, kz = layer.k_body.tensors()
+    vc, vs, vz = layer.v_body.tensors()
+    return dict(k_codes=kc, k_scale=ks, k_zero=kz, v_codes=vc, v_scale=vs, v_zero=vz, side_k=layer.side_k,
+                side_v=layer.side_v, side_pos=layer.side_pos, body_end=layer.body_end, length=layer.cumulative_length)  # fmt: skip
+
+
+def _set_layer_tensors(layer, t: dict[str, torch.Tensor]) -> None:
+    layer.k_body.codes, layer.k_body.scale, layer.k_body.zero = t["k_codes"], t["k_scale"], t["k_zero"]
+    layer.v_body.codes, layer.v_body.scale, layer.v_body.zero = t["v_codes"], t["v_scale"], t["v_zero"]
+    layer.side_k, layer.side_v, layer.side_pos = t["side_k"], t["side_v"], t["side_pos"]
+    layer.body_end, layer.cumulative_length = t["body_end"], t["length"]
+
+
+class DecodeStep(torch.nn.Module):
+    def __init__(self, model, config: KVQuantConfig, max_seq_len: int):
+        super().__init__()
+        check_model(model, config)
+        if model.dtype != torch.float32:
+            raise ValueError(f"export supports float32 models, got {model.dtype}")
+        quantize_kv_(model, config)
+        self.model = model
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.cache = make_cache(model, config, max_cache_len=max_seq_len)
+        _, kv_heads, head_dim = model_dims(model)
+        self.cache.early_initialization(1, kv_heads, head_dim, model.dtype, model.device)
+        for i, layer in enumerate(self.cache.layers):
+            for name, tensor in _layer_tensors(layer).items():
+                self.register_buffer(f"layer{i}_{name}", tensor, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(cache_position[0])
+        return self.model(input_ids=input_ids, cache=self.cache, use_cache=True).logits
+
+    # -- for exporters that carry the cache as inputs/outputs (ONNX)
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.cache.layers for t in _layer_tensors(layer).values()]
+
+    def cache_names(self) -> list[str]:
+        return [f"layer{i}_{n}" for i in range(len(self.cache.layers)) for n in LAYER_TENSORS]
+
+    def load_cache_tensors(self, tensors: list[torch.Tensor]) -> None:
+        it = iter(tensors)
+        for layer in self.cache.layers:
+            _set_layer_tensors(layer, {name: next(it) for name in LAYER_TENSORS})
+
+
+def export_decode_step(step: torch.nn.Module, decompose: bool = True) -> torch.export.ExportedProgram:
+    """torch.export a decode step (strict mode: non-strict failed in lowering on this stack)."""
+    example = (torch.tensor([[0]], dtype=torch.long), torch.tensor([0], dtype=torch.long))
+    with torch.no_grad():
+        program = torch.export.export(step, example, strict=True)
+    return program.run_decompositions(DECOMPOSITIONS) if decompose else program
+
+
+def check_prompt(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + {max_new_tokens} new tokens exceeds the exported max_seq_len={max_seq_len}"
+        )

@@ -1,0 +1,96 @@
+"""ONNX export of a model with a quantized KV cache, and an onnxruntime runner.
+
+ONNX has no mutable buffers (torch's exporter silently drops in-place buffer writes), so the
+cache crosses the graph boundary: inputs `past.<name>` and outputs `present.<name>` for every
+packed tensor of every layer (uint8 codes, fp16 scales/zero points, fp side store, int64
+positions). The runner feeds each step's `present` back as the next step's `past`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvq_ao.config import KVQuantConfig
+from kvq_ao.export.decoder import DECOMPOSITIONS, DecodeStep, check_prompt
+
+
+class _PastPresentStep(torch.nn.Module):
+    """forward(input_ids, cache_position, *past) -> (logits, *present)."""
+
+    def __init__(self, step: DecodeStep):
+        super().__init__()
+        self.step = step
+
+    def forward(self, input_ids, cache_position, *past):
+        self.step.load_cache_tensors([t.clone() for t in past])
+        logits = self.step(input_ids, cache_position)
+        return (logits, *self.step.cache_tensors())
+
+
+def export_onnx(model, config: KVQuantConfig, path: str | Path, max_seq_len: int = 256) -> Path:
+    """Write `path` (.onnx): a one-token decode step with the packed cache as past/present tensors."""
+    step = DecodeStep(model, config, max_seq_len)
+    initial = [t.clone() for t in step.cache_tensors()]
+    names = step.cache_names()
+    wrapper = _PastPresentStep(step).eval()
+    example = (torch.tensor([[0]], dtype=torch.long), torch.tensor([0], dtype=torch.long), *initial)
+    with torch.no_grad():
+        program = torch.export.export(wrapper, example, strict=True).run_decompositions(DECOMPOSITIONS)
+        onnx_program = torch.onnx.export(
+            program,
+            input_names=["input_ids", "cache_position", *[f"past.{n}" for n in names]],
+            output_names=["logits", *[f"present.{n}" for n in names]],
+            dynamo=True,
+        )
+    meta = {"max_seq_len": str(max_seq_len), "kvq_config": json.dumps(config.to_dict())}
+    onnx_program.model.metadata_props.update(meta)
+    path = Path(path)
+    onnx_program.save(str(path))
+    np.savez(path.with_suffix(".cache_init.npz"), **{n: t.numpy() for n, t in zip(names, initial)})
+    return path
+
+
+class OnnxRunner:
+    """Greedy generation with an exported `.onnx` in onnxruntime."""
+
+    def __init__(self, path: str | Path):
+        import onnx
+        import onnxruntime
+
+        path = Path(path)
+        meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        self.max_seq_len = int(meta["max_seq_len"])
+        self.session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        init = np.load(path.with_suffix(".cache_init.npz"))
+        self.names = [i.name.removeprefix("past.") for i in self.session.get_inputs()[2:]]
+        self.initial = {n: init[n] for n in self.names}
+        self.reset()
+
+    def reset(self) -> None:
+        self.past = dict(self.initial)
+
+    def step(self, token: int, position: int) -> torch.Tensor:
+        if position >= self.max_seq_len:
+            raise ValueError(f"position {position} is past the exported max_seq_len={self.max_seq_len}")
+        feed = {"input_ids": np.array([[token]], dtype=np.int64), "cache_position": np.array([position], dtype=np.int64)}
+        feed.update({f"past.{n}": v for n, v in self.past.items()})
+        out = self.session.run(None, feed)
+        self.past = dict(zip(self.names, out[1:]))
+        return torch.from_numpy(out[0][0, -1])
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        check_prompt(len(prompt_ids), max_new_tokens, self.max_seq_len)
+        self.reset()
+        logits, new = [], []
+        for pos, tok in enumerate(prompt_ids):
+            logits.append(self.step(tok, pos))
+        for i in range(max_new_tokens):
+            tok = int(logits[-1].argmax())
+            new.append(tok)
+            if i + 1 < max_new_tokens:
+                logits.append(self.step(tok, len(prompt_ids) + i))
+        return new, logits
