@@ -7,6 +7,7 @@ calls by the runtime. `max_seq_len` is stored as the constant method `get_max_se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,7 +16,30 @@ from kvq_ao.config import KVQuantConfig
 from kvq_ao.export.decoder import INITIALIZED, DecodeStep, check_prompt, export_decode_step
 
 
-def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_len: int = 256) -> Path:
+@dataclass
+class ExportedPte:
+    path: Path
+    mutable_buffers: dict[str, tuple[torch.dtype, int]]  # name -> (dtype, bytes), as lowered
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.mutable_buffers.values())
+
+
+def _mutable_buffers(program) -> dict[str, tuple[torch.dtype, int]]:
+    """The program's mutated buffers with dtype and size, read from the lowered graph."""
+    sig = program.graph_signature
+    mutated = set(sig.buffers_to_mutate.values())
+    out = {}
+    for node in program.graph.nodes:
+        name = sig.inputs_to_buffers.get(node.name) if node.op == "placeholder" else None
+        if name in mutated:
+            val = node.meta["val"]
+            out[name] = (val.dtype, val.numel() * val.element_size())
+    return out
+
+
+def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_len: int = 256) -> ExportedPte:
     """Write `path` (.pte): a one-token decode step whose KV cache is packed mutable buffers."""
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -26,7 +50,7 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(list(INITIALIZED))]))
     path = Path(path)
     path.write_bytes(et.buffer)
-    return path
+    return ExportedPte(path, _mutable_buffers(et.exported_program()))
 
 
 class ExecuTorchRunner:

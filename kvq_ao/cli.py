@@ -2,6 +2,8 @@
 
     kvq eval --model smollm2 --preset kivi-4 --json
     kvq generate --model smollm2 --preset kivi-2 --prompt "Why is the sky blue?"
+    kvq export --format executorch --preset kivi-4 --prompt "Hi!"
+    kvq talk smollm2-kivi-4.pte --prompt "What is Python?"
     kvq presets
     kvq demo
 """
@@ -106,6 +108,57 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def _runner(path: Path):
+    if path.suffix == ".pte":
+        from kvq_ao.export.executorch import ExecuTorchRunner
+
+        return ExecuTorchRunner(path)
+    if path.suffix == ".onnx":
+        from kvq_ao.export.onnx import OnnxRunner
+
+        return OnnxRunner(path)
+    raise ValueError(f"unknown artifact type {path.suffix!r}: expected .pte or .onnx")
+
+
+def _talk(path: Path, tokenizer, prompt: str, max_new_tokens: int) -> None:
+    runner = _runner(path)
+    new, _ = runner.generate(_chat_ids(tokenizer, prompt), max_new_tokens)
+    print(f"[{path.name}] {tokenizer.decode(new, skip_special_tokens=True).strip()}")
+
+
+def cmd_export(args) -> int:
+    from kvq_ao.export import export_executorch, export_onnx
+
+    config = _config(args)
+    model, tokenizer = _load(args)
+    out = Path(args.out or f"{Path(args.model).stem}-{config.name}.{'pte' if args.format == 'executorch' else 'onnx'}")
+    _log(f"exporting {args.model} with {config.name} to {out} (max_seq_len={args.max_seq_len}) ...")
+    if args.format == "executorch":
+        result = export_executorch(model, config, out, max_seq_len=args.max_seq_len)
+        _log(f"wrote {out}: KV cache as {len(result.mutable_buffers)} mutable buffers, {result.cache_bytes / 2**20:.2f} MiB")
+    else:
+        export_onnx(model, config, out, max_seq_len=args.max_seq_len)
+        _log(f"wrote {out} (+ {out.with_suffix('.cache_init.npz').name}, the empty cache)")
+    if args.prompt:
+        _talk(out, tokenizer, args.prompt, args.max_new_tokens)
+    return 0
+
+
+def cmd_talk(args) -> int:
+    from transformers import AutoTokenizer
+
+    from kvq_ao.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model, log=_log))
+    _talk(Path(args.artifact), tokenizer, args.prompt, args.max_new_tokens)
+    return 0
+
+
 def _print_results(results) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -177,6 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--static", type=int, default=None, metavar="MAX_LEN", help="use a static cache of this length")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="export a one-token decode step with the quantized cache")
+    _add_model_args(p)
+    p.add_argument("--format", choices=["executorch", "onnx"], required=True)
+    p.add_argument("--out", default=None, help="output path (.pte or .onnx)")
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--prompt", default=None, help="after exporting, generate an answer with the artifact")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("talk", help="generate with an exported .pte (ExecuTorch) or .onnx (onnxruntime)")
+    p.add_argument("artifact")
+    p.add_argument("--model", default="smollm2", help="where the tokenizer comes from")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.set_defaults(func=cmd_talk)
 
     p = sub.add_parser("presets", help="list presets and their memory")
     p.add_argument("--tokens", type=int, default=4096)
