@@ -51,6 +51,7 @@ def _prefill(model, cache, ids: torch.Tensor, chunk: int = 512) -> None:
 
 @torch.no_grad()
 def bench_length(model, cfg, ids: torch.Tensor, steps: int, out_dir: Path, skip: set[str]) -> list[dict]:
+    """All variants at one cached-token count (ids.shape[1]); `skip` names variants to leave out."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     n = ids.shape[1]
@@ -119,6 +120,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip", default="", help="comma-separated variants to skip")
+    parser.add_argument("--export-lengths", default="512",
+                        help="lengths at which to export and time ExecuTorch/ONNX (each export of SmolLM2 takes minutes)")
     parser.add_argument("--out", default="results/decode_step.json")
     parser.add_argument("--work-dir", default="/tmp/kvq-bench")
     args = parser.parse_args()
@@ -130,7 +133,10 @@ def main() -> None:
     cfg = KVQuantConfig.preset(args.preset)
     rows = []
     for n in [int(x) for x in args.lengths.split(",")]:
-        rows += bench_length(model, cfg, text_ids[:, :n], args.steps, out_dir, set(args.skip.split(",")))
+        skip = set(args.skip.split(","))
+        if str(n) not in args.export_lengths.split(","):
+            skip |= {"executorch", "onnx"}
+        rows += bench_length(model, cfg, text_ids[:, :n], args.steps, out_dir, skip)
     base = {r["cached_tokens"]: r["ms_per_token"] for r in rows if r.get("variant") == "eager-fp"}
     print(f"\nSmolLM2-135M decode step, batch 1, {args.threads} threads, {platform.processor() or platform.machine()}, {date.today()}")
     print(f"{'variant':28} {'tokens':>7} {'ms/token':>9} {'vs eager fp':>11} {'KV MiB':>8}")
