@@ -8,6 +8,7 @@ results/export_smollm2.json.
 """
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -29,12 +30,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", default="/tmp/kvq-export")
     parser.add_argument("--presets", default="kivi-4,kivi-2")
+    parser.add_argument("--residual", type=int, default=None,
+                        help="override the fp window (the presets' 128 tokens cover a whole 64-token run, "
+                             "so no packed code is read unless this is smaller)")
+    parser.add_argument("--sink", type=int, default=None, help="override sink_tokens")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for preset in args.presets.split(","):
         cfg = KVQuantConfig.preset(preset)
+        if args.residual is not None or args.sink is not None:
+            residual = cfg.residual_length if args.residual is None else args.residual
+            sink = cfg.sink_tokens if args.sink is None else args.sink
+            cfg = dataclasses.replace(cfg, residual_length=residual, sink_tokens=sink, name=f"{preset}-r{residual}-s{sink}")
         model, tok = load_model("smollm2")
         ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
         ids = list(ids if isinstance(ids, list) else ids["input_ids"])[:32]
@@ -55,13 +64,16 @@ def main() -> None:
             eager_new = [int(x.argmax()) for x in eager[len(ids) - 1 :]]
             diff = max((a - b).abs().max().item() for a, b in zip(logits, eager))
             scale = max(b.abs().max().item() for b in eager)
-            row = dict(preset=preset, runtime=runtime, export_s=round(export_s, 1), max_abs_diff=diff,
+            row = dict(preset=cfg.name, body_end_layer0=int(step.cache.layers[0].body_end), runtime=runtime, export_s=round(export_s, 1), max_abs_diff=diff,
                        relative=diff / scale, tokens_equal=sum(a == b for a, b in zip(new, eager_new)),
                        text=tok.decode(new, skip_special_tokens=True))  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-    Path("results").mkdir(exist_ok=True)
-    Path("results/export_smollm2.json").write_text(json.dumps(rows, indent=2) + "\n")
+    out = Path("results/export_smollm2.json")
+    out.parent.mkdir(exist_ok=True)
+    previous = json.loads(out.read_text()) if out.exists() else []
+    keep = [r for r in previous if (r["preset"], r["runtime"]) not in {(x["preset"], x["runtime"]) for x in rows}]
+    out.write_text(json.dumps(keep + rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
