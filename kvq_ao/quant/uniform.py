@@ -49,18 +49,17 @@ def check_shape(t: int, d: int, axis: int, group: int) -> None:
 
 
 def _step(x: torch.Tensor, direction: float) -> torch.Tensor:
-    """x moved by about one unit in the last place of its dtype, in `direction` (+1 / -1).
+    """x moved by one or two units in the last place of its dtype, in `direction` (+1 / -1).
 
-    `torch.nextafter` would do, but it is not core ATen (ExecuTorch rejects it); 0.75 ulp
-    computed in float32 rounds to the neighbouring representable value (or two ulps at a power
-    of two), which is all the callers need: strictly past x, still within a few ulps.
+    `torch.nextafter` would do, but it is not core ATen (ExecuTorch rejects it). |x| * eps is
+    between one and two ulps of x, so the float32 sum rounds to a neighbour strictly past x.
+    Only multiply/add/max: a log2-based ulp exported to ONNX as Log/Div and moved by different
+    amounts in onnxruntime, changing stored scales.
     """
     finfo = torch.finfo(x.dtype)
     xf = x.float()
-    magnitude = xf.abs().clamp(min=finfo.tiny)
-    ulp = torch.pow(2.0, torch.floor(torch.log2(magnitude))) * finfo.eps
-    ulp = ulp.clamp(min=finfo.smallest_normal * finfo.eps)
-    return (xf + direction * 0.75 * ulp).to(x.dtype)
+    delta = torch.clamp(xf.abs() * finfo.eps, min=finfo.smallest_normal * finfo.eps)
+    return (xf + direction * delta).to(x.dtype)
 
 
 def quantize_uniform(
@@ -83,7 +82,9 @@ def quantize_uniform(
     zero = lo.clamp(finfo.min, finfo.max).to(scale_dtype)
     zero = torch.where(zero.float() > lo, _step(zero, -1.0), zero)
     scale = ((hi - zero.float()) / levels).clamp(0.0, finfo.max).to(scale_dtype)
-    too_small = scale.float() * levels + zero.float() < hi
+    # Checked in float64, where fp16/fp32 scale * levels + zero is exact: in float32 the result
+    # depends on whether a runtime fuses the multiply-add (onnxruntime does), flipping the choice.
+    too_small = scale.double() * levels + zero.double() < hi.double()
     scale = torch.where(too_small, _step(scale, 1.0), scale)
     scale_f = scale.float()
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
