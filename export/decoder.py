@@ -95,3 +95,20 @@ def check_prompt(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None
         raise ValueError(
             f"prompt ({prompt_len} tokens) + {max_new_tokens} new tokens exceeds the exported max_seq_len={max_seq_len}"
         )
+
+
+def greedy_generate(step, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Feed the prompt one token at a time through `step(token, position) -> logits`, then greedy.
+
+    Returns (new token ids, logits of every step: prompt tokens then generated ones).
+    """
+    check_prompt(len(prompt_ids), max_new_tokens, max_seq_len)
+    logits, new = [], []
+    for pos, tok in enumerate(prompt_ids):
+        logits.append(step(tok, pos))
+    for i in range(max_new_tokens):
+        tok = int(logits[-1].argmax())
+        new.append(tok)
+        if i + 1 < max_new_tokens:
+            logits.append(step(tok, len(prompt_ids) + i))
+    return new, logits

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.export.decoder import INITIALIZED, DecodeStep, check_prompt, export_decode_step
+from kvq_ao.export.decoder import INITIALIZED, DecodeStep, greedy_generate, export_decode_step
 
 
 @dataclass
@@ -71,13 +71,4 @@ class ExecuTorchRunner:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
         """(new token ids, logits of every step: prompt tokens then generated ones)."""
-        check_prompt(len(prompt_ids), max_new_tokens, self.max_seq_len)
-        logits, new = [], []
-        for pos, tok in enumerate(prompt_ids):
-            logits.append(self.step(tok, pos))
-        for i in range(max_new_tokens):
-            tok = int(logits[-1].argmax())
-            new.append(tok)
-            if i + 1 < max_new_tokens:
-                logits.append(self.step(tok, len(prompt_ids) + i))
-        return new, logits
+        return greedy_generate(self.step, prompt_ids, max_new_tokens, self.max_seq_len)

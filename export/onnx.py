@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.export.decoder import DECOMPOSITIONS, DecodeStep, check_prompt
+from kvq_ao.export.decoder import DECOMPOSITIONS, DecodeStep, greedy_generate
 
 
 class _PastPresentStep(torch.nn.Module):
@@ -83,14 +83,6 @@ class OnnxRunner:
         return torch.from_numpy(out[0][0, -1])
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-        check_prompt(len(prompt_ids), max_new_tokens, self.max_seq_len)
+        """(new token ids, logits of every step: prompt tokens then generated ones)."""
         self.reset()
-        logits, new = [], []
-        for pos, tok in enumerate(prompt_ids):
-            logits.append(self.step(tok, pos))
-        for i in range(max_new_tokens):
-            tok = int(logits[-1].argmax())
-            new.append(tok)
-            if i + 1 < max_new_tokens:
-                logits.append(self.step(tok, len(prompt_ids) + i))
-        return new, logits
+        return greedy_generate(self.step, prompt_ids, max_new_tokens, self.max_seq_len)
