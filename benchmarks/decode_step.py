@@ -137,6 +137,8 @@ def main() -> None:
         if str(n) not in args.export_lengths.split(","):
             skip |= {"executorch", "onnx"}
         rows += bench_length(model, cfg, text_ids[:, :n], args.steps, out_dir, skip)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # saved after each length: long runs keep their rows
+        Path(args.out).write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
     base = {r["cached_tokens"]: r["ms_per_token"] for r in rows if r.get("variant") == "eager-fp"}
     print(f"\nSmolLM2-135M decode step, batch 1, {args.threads} threads, {platform.processor() or platform.machine()}, {date.today()}")
     print(f"{'variant':28} {'tokens':>7} {'ms/token':>9} {'vs eager fp':>11} {'KV MiB':>8}")
