@@ -29,7 +29,6 @@ import torch
 
 import kvq_ao  # noqa: F401
 from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
-from kvq_ao.api import compile_config  # noqa: F401  (documents the generate() route)
 from kvq_ao.models import load_model, pydoc_text
 
 

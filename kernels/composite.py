@@ -80,11 +80,10 @@ def attention(
         qv = qf[:, :, :, 0, :]
         s_body = (qv.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, T]
         s_side = (qv.unsqueeze(3) * sk.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, S]
-        mh = body_mask.shape[1]
-        s_body = s_body.masked_fill(~body_mask.reshape(b, mh // n if mh > 1 else 1, n if mh > 1 else 1, t), float("-inf"))
-        s_side = s_side.masked_fill(
-            ~side_mask.reshape(b, mh // n if mh > 1 else 1, n if mh > 1 else 1, side_pos.shape[0]), float("-inf")
-        )
+        # mask heads: 1 (shared) or Hq -> broadcast against [B, Hkv, n, positions]
+        heads = (hkv, n) if body_mask.shape[1] > 1 else (1, 1)
+        s_body = s_body.masked_fill(~body_mask.reshape(b, *heads, t), float("-inf"))
+        s_side = s_side.masked_fill(~side_mask.reshape(b, *heads, side_pos.shape[0]), float("-inf"))
         scores = torch.cat([s_body, s_side], dim=-1)
         top = scores.amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
