@@ -52,13 +52,12 @@ def test_executorch_generation_matches_eager_over_prompt_and_decode(exported):
         assert int(step.cache.layers[0].body_end) > 0  # the packed codes were really read
 
 
-def test_onnx_step_matches_eager_and_generation_agrees(exported):
-    """Each ONNX step, fed the eager cache as `past`, matches eager; end to end, tokens agree.
+def test_onnx_generation_matches_eager_over_prompt_and_decode(exported):
+    """End to end in onnxruntime, and every stored code identical to eager at every step.
 
-    End to end, onnxruntime's float math differs from PyTorch's by ~1e-7, and a key that lands on
-    a rounding boundary then gets a neighbouring code (seen: 4 of 12288 code bytes at 2 bits),
-    which moves later logits by ~1e-2. Feeding the eager cache each step compares the exported
-    function itself; the end-to-end run checks greedy tokens and reports its drift.
+    The code check guards the float16 metadata rounding: onnxruntime once dropped an
+    f32->f16->f32 cast pair around an fp16 `Where` and stored different scales (see
+    `kvq_ao.quant.uniform._rounded`), which flipped 2-bit codes and drifted logits by 1e-2.
     """
     from kvq_ao.export.onnx import OnnxRunner
 
@@ -66,32 +65,15 @@ def test_onnx_step_matches_eager_and_generation_agrees(exported):
     runner = OnnxRunner(onnx_path)
     prompt = torch.randint(3, 128, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     new, logits = runner.generate(prompt, 32)
-    eager, _ = _eager_logits(cfg, prompt + new[:-1])
-    drift = max((a - b).abs().max().item() for a, b in zip(logits, eager))
-    same_tokens = sum(a == int(b.argmax()) for a, b in zip(new, eager[len(prompt) - 1 :]))
-    step = DecodeStep(tiny_llama(), cfg, MAX_LEN)
-    worst, flipped, total, flip_steps = 0.0, 0, 0, 0
-    for pos, tok in enumerate(prompt + new[:-1]):
-        runner.past = {n: t.numpy().copy() for n, t in zip(step.cache_names(), step.cache_tensors())}
-        got = runner.step(tok, pos)
-        with torch.no_grad():
-            want = step(torch.tensor([[tok]]), torch.tensor([pos]))[0, -1]
-        step_flips = 0
-        for name, t in zip(step.cache_names(), step.cache_tensors()):
-            if name.endswith("_codes"):
-                step_flips += int((torch.from_numpy(runner.past[name]) != t).sum())
-                total += t.numel()
-        flipped += step_flips
-        if step_flips:  # a block quantized this step landed on a rounding boundary differently
-            flip_steps += 1
-            continue
-        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
-        assert got.argmax() == want.argmax()
-    print(f"onnx {cfg.name}: per-step relative logit diff {worst:.2e} (steps with identical codes), "
-          f"steps with a code flip {flip_steps}/{len(prompt) + len(new) - 1}, code bytes differing {flipped}/{total}, "
-          f"end-to-end drift {drift:.2e}, end-to-end greedy tokens equal to eager {same_tokens}/32")  # fmt: skip
-    assert worst < 1e-3
-    assert flipped <= 1e-4 * total
+    eager, step = _eager_logits(cfg, prompt + new[:-1])
+    diff = max((a - b).abs().max().item() for a, b in zip(logits, eager))
+    scale = max(b.abs().max().item() for b in eager)
+    print(f"onnx {cfg.name}: max |logit diff| {diff:.2e} (relative {diff / scale:.2e})")
+    assert diff / scale < 1e-3
+    assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
+    for name, t in zip(step.cache_names(), step.cache_tensors()):
+        if name.endswith(("_codes", "_scale", "_zero")):
+            assert torch.equal(torch.from_numpy(runner.past[name]), t), name
 
 
 def test_pte_cache_is_packed_and_its_bytes_match_the_memory_report(exported):

@@ -48,18 +48,27 @@ def check_shape(t: int, d: int, axis: int, group: int) -> None:
         raise ValueError(f"per-channel quantization needs whole blocks of {group} tokens, got {t} tokens")
 
 
-def _step(x: torch.Tensor, direction: float) -> torch.Tensor:
-    """x moved by one or two units in the last place of its dtype, in `direction` (+1 / -1).
+def _step(xf: torch.Tensor, direction: float, dtype: torch.dtype) -> torch.Tensor:
+    """float32 xf (a value of `dtype`) moved one or two ulps of `dtype` in `direction` (+1 / -1).
 
-    `torch.nextafter` would do, but it is not core ATen (ExecuTorch rejects it). |x| * eps is
-    between one and two ulps of x, so the float32 sum rounds to a neighbour strictly past x.
-    Only multiply/add/max: a log2-based ulp exported to ONNX as Log/Div and moved by different
-    amounts in onnxruntime, changing stored scales.
+    Returned as float32 holding a `dtype` value. `torch.nextafter` would do, but it is not core
+    ATen (ExecuTorch rejects it). |x| * eps is between one and two ulps of x, so the sum rounds
+    to a neighbour strictly past x. Only multiply/add/max: a log2-based ulp exported to ONNX as
+    Log/Div and moved by different amounts in onnxruntime, changing stored scales.
     """
-    finfo = torch.finfo(x.dtype)
-    xf = x.float()
+    finfo = torch.finfo(dtype)
     delta = torch.clamp(xf.abs() * finfo.eps, min=finfo.smallest_normal * finfo.eps)
-    return (xf + direction * delta).to(x.dtype)
+    return _rounded(xf + direction * delta, dtype)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype`, kept in float32.
+
+    Every select/compare on metadata runs on float32 tensors: onnxruntime's CPU provider has no
+    float16 `Where`, wraps it in inserted casts and then drops the f32->f16->f32 pair, silently
+    using the unrounded value (found comparing stored scales: 9% of groups differed).
+    """
+    return x.to(dtype).float()
 
 
 def quantize_uniform(
@@ -79,18 +88,17 @@ def quantize_uniform(
     finfo = torch.finfo(scale_dtype)
     # Store zero rounded down and scale rounded up, so every element stays inside the stored
     # range and the error bound is half a step of the *stored* scale, whatever scale_dtype is.
-    zero = lo.clamp(finfo.min, finfo.max).to(scale_dtype)
-    zero = torch.where(zero.float() > lo, _step(zero, -1.0), zero)
-    scale = ((hi - zero.float()) / levels).clamp(0.0, finfo.max).to(scale_dtype)
+    zero = _rounded(lo.clamp(finfo.min, finfo.max), scale_dtype)
+    zero = torch.where(zero > lo, _step(zero, -1.0, scale_dtype), zero)
+    scale = _rounded(((hi - zero) / levels).clamp(0.0, finfo.max), scale_dtype)
     # Checked in float64, where fp16/fp32 scale * levels + zero is exact: in float32 the result
     # depends on whether a runtime fuses the multiply-add (onnxruntime does), flipping the choice.
     too_small = scale.double() * levels + zero.double() < hi.double()
-    scale = torch.where(too_small, _step(scale, 1.0), scale)
-    scale_f = scale.float()
-    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    codes = torch.round((g - zero.float()) / safe).clamp(0.0, float(levels))
+    scale = torch.where(too_small, _step(scale, 1.0, scale_dtype), scale)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((g - zero) / safe).clamp(0.0, float(levels))
     codes = codes.reshape(x.shape).to(torch.uint8)
-    return pack(codes, bits), scale.squeeze(dim), zero.squeeze(dim)
+    return pack(codes, bits), scale.squeeze(dim).to(scale_dtype), zero.squeeze(dim).to(scale_dtype)
 
 
 def dequantize_uniform(
