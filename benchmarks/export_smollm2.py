@@ -34,6 +34,7 @@ def main() -> None:
                         help="override the fp window (the presets' 128 tokens cover a whole 64-token run, "
                              "so no packed code is read unless this is smaller)")
     parser.add_argument("--sink", type=int, default=None, help="override sink_tokens")
+    parser.add_argument("--runtimes", default="executorch,onnx")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,7 @@ def main() -> None:
         model, tok = load_model("smollm2")
         ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
         ids = list(ids if isinstance(ids, list) else ids["input_ids"])[:32]
-        for runtime in ("executorch", "onnx"):
+        for runtime in args.runtimes.split(","):
             path = out_dir / f"smollm2-{preset}.{'pte' if runtime == 'executorch' else 'onnx'}"
             t0 = time.perf_counter()
             if runtime == "executorch":
