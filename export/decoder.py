@@ -20,9 +20,11 @@ from kvq_ao.config import KVQuantConfig
 from kvq_ao.kernels import composite
 
 # Tensors of one layer, in a fixed order (names are used for buffers and ONNX inputs/outputs).
-LAYER_TENSORS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "side_k", "side_v", "side_pos", "body_end", "length")
-# Buffers whose initial value matters (ExecuTorch leaves other mutable buffers uninitialized).
-INITIALIZED = ("side_pos",)
+LAYER_TENSORS = ("k_codes", "k_scale", "k_zero", "k_out_val", "k_out_idx", "v_codes", "v_scale", "v_zero",
+                 "v_out_val", "v_out_idx", "side_k", "side_v", "side_pos", "body_end", "length")  # fmt: skip
+# Buffers whose initial value matters (ExecuTorch leaves other mutable buffers uninitialized):
+# -1 marks empty side slots; outlier values are selected before masking, so must be finite.
+INITIALIZED = ("side_pos", "out_val")
 
 DECOMPOSITIONS = {
     torch.ops.kvq.quantize.default: composite.quantize,
@@ -34,13 +36,18 @@ DECOMPOSITIONS = {
 def _layer_tensors(layer) -> dict[str, torch.Tensor]:
     kc, ks, kz = layer.k_body.tensors()
     vc, vs, vz = layer.v_body.tensors()
-    return dict(k_codes=kc, k_scale=ks, k_zero=kz, v_codes=vc, v_scale=vs, v_zero=vz, side_k=layer.side_k,
-                side_v=layer.side_v, side_pos=layer.side_pos, body_end=layer.body_end, length=layer.cumulative_length)  # fmt: skip
+    kov, koi = layer.k_body.sparse()
+    vov, voi = layer.v_body.sparse()
+    return dict(k_codes=kc, k_scale=ks, k_zero=kz, k_out_val=kov, k_out_idx=koi, v_codes=vc, v_scale=vs, v_zero=vz,
+                v_out_val=vov, v_out_idx=voi, side_k=layer.side_k, side_v=layer.side_v, side_pos=layer.side_pos,
+                body_end=layer.body_end, length=layer.cumulative_length)  # fmt: skip
 
 
 def _set_layer_tensors(layer, t: dict[str, torch.Tensor]) -> None:
     layer.k_body.codes, layer.k_body.scale, layer.k_body.zero = t["k_codes"], t["k_scale"], t["k_zero"]
     layer.v_body.codes, layer.v_body.scale, layer.v_body.zero = t["v_codes"], t["v_scale"], t["v_zero"]
+    layer.k_body.out_val, layer.k_body.out_idx = t["k_out_val"], t["k_out_idx"]
+    layer.v_body.out_val, layer.v_body.out_idx = t["v_out_val"], t["v_out_idx"]
     layer.side_k, layer.side_v, layer.side_pos = t["side_k"], t["side_v"], t["side_pos"]
     layer.body_end, layer.cumulative_length = t["body_end"], t["length"]
 

@@ -7,7 +7,11 @@ no `torch.tensor` constants, no data-dependent Python control flow.
 Cache layout read by `attention` (one layer, one of K or V):
 * body: all positions [0, T) of the layer's capacity, as packed codes + scale + zero
   (`bits == 0` means the body is already floating point and scale/zero are empty);
-  only positions in [body_start, body_end) are read from it.
+  only positions in [body_start, body_end) are read from it. A non-empty `codebook` means
+  non-uniform levels (`kvq_ao.quant.codebook`); `out_val`/`out_idx` [.., T, k] are the exact
+  outliers of each vector (`kvq_ao.quant.outliers`; k = 0 when unused).
+* keys may be stored before RoPE: a non-empty `rope_inv_freq` rotates them at their own
+  positions after dequantization (`kvq_ao.quant.rope`).
 * side: full-precision entries (sink tokens and the recent window) with their positions in
   `side_pos` (-1 = empty); an entry is read when its position is outside [body_start, body_end).
 """
@@ -16,17 +20,38 @@ from __future__ import annotations
 
 import torch
 
+from kvq_ao.quant.codebook import dequantize_codebook, quantize_codebook
+from kvq_ao.quant.outliers import apply_outliers, split_outliers
+from kvq_ao.quant.rope import rotate
 from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
 
 
-def quantize(x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype):
-    return quantize_uniform(x, bits, axis, group, scale_dtype)
+def quantize(x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype, codebook: torch.Tensor,
+             lo: torch.Tensor, hi: torch.Tensor, n_outliers: int):  # fmt: skip
+    """-> (codes, scale, zero, out_val [.., T, k], out_idx [.., T, k] uint8, clamped int64 count)."""
+    if n_outliers > 0:
+        dense, out_val, out_idx, clamped = split_outliers(x, lo, hi, n_outliers)
+    else:
+        dense = x
+        out_val = x.new_zeros([*x.shape[:-1], 0])
+        out_idx = x.new_zeros([*x.shape[:-1], 0], dtype=torch.uint8)
+        clamped = x.new_zeros([], dtype=torch.int64)
+    if codebook.numel() > 0:
+        codes, scale, zero = quantize_codebook(dense, codebook, bits, axis, group, scale_dtype)
+    else:
+        codes, scale, zero = quantize_uniform(dense, bits, axis, group, scale_dtype)
+    return codes, scale, zero, out_val, out_idx, clamped
 
 
-def dequantize(codes, scale, zero, bits: int, axis: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes, scale, zero, codebook, out_val, out_idx, bits: int, axis: int, group: int,
+               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     if bits == 0:
         return codes.to(dtype)
-    return dequantize_uniform(codes, scale, zero, bits, axis, group, dtype)
+    if codebook.numel() > 0:
+        x = dequantize_codebook(codes, scale, zero, codebook, bits, axis, group, torch.float32)
+    else:
+        x = dequantize_uniform(codes, scale, zero, bits, axis, group, torch.float32)
+    return apply_outliers(x, out_val, out_idx).to(dtype)
 
 
 def _masks(mask, side_pos, body_start: int, body_end, t: int):
@@ -43,16 +68,24 @@ def attention(
     k_codes: torch.Tensor,
     k_scale: torch.Tensor,
     k_zero: torch.Tensor,
+    k_codebook: torch.Tensor,
+    k_out_val: torch.Tensor,
+    k_out_idx: torch.Tensor,
     v_codes: torch.Tensor,
     v_scale: torch.Tensor,
     v_zero: torch.Tensor,
+    v_codebook: torch.Tensor,
+    v_out_val: torch.Tensor,
+    v_out_idx: torch.Tensor,
     side_k: torch.Tensor,
     side_v: torch.Tensor,
     side_pos: torch.Tensor,
     body_end: torch.Tensor,
     mask: torch.Tensor,
+    rope_inv_freq: torch.Tensor,
     body_start: int,
     scaling: float,
+    rope_scale: float,
     k_bits: int,
     k_axis: int,
     k_group: int,
@@ -67,13 +100,16 @@ def attention(
     Queries with nothing to attend to return zeros (left padding).
     """
     b, hq, tq, d = q.shape
-    k = dequantize(k_codes, k_scale, k_zero, k_bits, k_axis, k_group, torch.float32)
-    v = dequantize(v_codes, v_scale, v_zero, v_bits, v_axis, v_group, torch.float32)
+    k = dequantize(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, k_bits, k_axis, k_group, torch.float32)
+    v = dequantize(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, v_bits, v_axis, v_group, torch.float32)
     hkv, t = k.shape[1], k.shape[2]
+    sk, sv = side_k.float(), side_v.float()
+    if rope_inv_freq.numel() > 0:  # pre-RoPE keys: rotate each at its own position
+        k = rotate(k, torch.arange(t, device=k.device), rope_inv_freq, rope_scale)
+        sk = rotate(sk, side_pos.clamp(min=0), rope_inv_freq, rope_scale)
     n = hq // hkv
     body_mask, side_mask = _masks(mask, side_pos, body_start, body_end, t)
     qf = q.float().reshape(b, hkv, n, tq, d)
-    sk, sv = side_k.float(), side_v.float()
     if tq == 1:
         # Pointwise + reductions: inductor fuses unpack, dequantize, scores, softmax and the
         # weighted sum into one loop without a [T, D] float buffer (SDPA would need one).

@@ -38,9 +38,11 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         raise RuntimeError("kvq attention expects the boolean 4-D mask built by the 'kvq' mask function")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = torch.ops.kvq.attention(
-        query, key.codes, key.scale, key.zero, value.codes, value.scale, value.zero,
-        key.side, value.side, key.side_pos, key.body_end, attention_mask,
-        key.body_start, float(scaling), key.bits, key.axis, key.group, value.bits, value.axis, value.group,
+        query, key.codes, key.scale, key.zero, key.codebook, key.out_val, key.out_idx,
+        value.codes, value.scale, value.zero, value.codebook, value.out_val, value.out_idx,
+        key.side, value.side, key.side_pos, key.body_end, attention_mask, key.rope_inv_freq,
+        key.body_start, float(scaling), float(key.rope_scale), key.bits, key.axis, key.group,
+        value.bits, value.axis, value.group,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
@@ -100,7 +102,29 @@ def make_cache(model, config: KVQuantConfig | None = None, max_cache_len: int | 
     if config is None:
         raise ValueError("no config: pass one or call quantize_kv_(model, config) first")
     check_model(model, config)
-    return QuantizedKVCache(config, model_dims(model)[0], max_cache_len=max_cache_len)
+    return QuantizedKVCache(config, model_dims(model)[0], max_cache_len=max_cache_len,
+                            calibration=calibration_for(model, config), rope=rope_for(model, config))  # fmt: skip
+
+
+def calibration_for(model, config: KVQuantConfig):
+    """The config's calibration (loaded once per model and config), or None when it needs none."""
+    if not config.needs_calibration:
+        return None
+    from kvq_ao.calibrate import for_model
+
+    memo = model.__dict__.setdefault("_kvq_calibrations", {})
+    key = (config.name, config.calibration, config.to_json_key())
+    if key not in memo:
+        memo[key] = for_model(model, config)
+    return memo[key]
+
+
+def rope_for(model, config: KVQuantConfig):
+    if not config.pre_rope_keys:
+        return None
+    from kvq_ao.calibrate import rotary_of
+
+    return rotary_of(model)
 
 
 # ---------------------------------------------------------------------------- the one-liner

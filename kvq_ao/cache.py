@@ -21,12 +21,16 @@ Two update paths produce identical storage (tested against each other):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.quant.codebook import check_codebook, nf_codebook
+from kvq_ao.quant.outliers import outlier_slots
 from kvq_ao.quant.packing import packed_size
+from kvq_ao.quant.rope import unrotate
 from kvq_ao.tensor import QuantizedKV
 
 _GROWTH = 256  # dynamic caches grow their body in steps of this many tokens
@@ -36,13 +40,46 @@ def _op_format(spec: QuantSpec) -> tuple[int, int, int]:
     return (spec.bits or 0, spec.axis_id, spec.group_size)
 
 
+@dataclass
+class TensorCalibration:
+    """What calibration gives one tensor (keys or values) of one layer."""
+
+    codebook: torch.Tensor | None = None  # levels in [0, 1] for "nuq"
+    lo: torch.Tensor | None = None  # [kv_heads, head_dim] outlier thresholds
+    hi: torch.Tensor | None = None
+
+
+def _codebook_for(spec: QuantSpec, calib: TensorCalibration | None) -> torch.Tensor:
+    if not spec.is_quantized or spec.dtype == "int":
+        return torch.zeros(0)
+    if spec.dtype == "nf":
+        return nf_codebook(spec.bits)
+    if calib is None or calib.codebook is None:
+        raise ValueError(f"{spec.label()} needs a calibrated codebook: pass a calibration (kvq calibrate)")
+    check_codebook(calib.codebook, spec.bits)
+    return calib.codebook.float()
+
+
 class _BodyStore:
     """The packed body of one tensor (keys or values) of one layer."""
 
     def __init__(self, spec: QuantSpec, lead: tuple[int, int], head_dim: int, capacity: int,
-                 dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device):  # fmt: skip
+                 dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device,
+                 calib: TensorCalibration | None = None):  # fmt: skip
         self.spec, self.scale_dtype = spec, scale_dtype
         b, h = lead
+        self.codebook = _codebook_for(spec, calib).to(device)
+        self.n_outliers = outlier_slots(spec.outliers, head_dim) if spec.is_quantized else 0
+        self.lo = self.hi = torch.zeros(0, device=device)
+        if self.n_outliers:
+            if calib is None or calib.lo is None or calib.hi is None:
+                raise ValueError(f"{spec.label()} needs calibrated outlier thresholds: pass a calibration (kvq calibrate)")
+            if tuple(calib.lo.shape) != (h, head_dim) or tuple(calib.hi.shape) != (h, head_dim):
+                raise ValueError(f"outlier thresholds must be [{h}, {head_dim}], got {list(calib.lo.shape)}")
+            self.lo, self.hi = calib.lo.float().to(device), calib.hi.float().to(device)
+        self.out_val = torch.zeros(b, h, capacity, self.n_outliers, dtype=dtype, device=device)
+        self.out_idx = torch.zeros(b, h, capacity, self.n_outliers, dtype=torch.uint8, device=device)
+        self.clamped = 0  # outlier entries clamped because their vector's slots were full (eager writes)
         if spec.is_quantized:
             self.codes = torch.zeros(b, h, capacity, packed_size(head_dim, spec.bits), dtype=torch.uint8, device=device)
             meta = (b, h, capacity, head_dim // spec.group_size) if spec.axis == "token" else (b, h, capacity // spec.group_size, head_dim)
@@ -61,27 +98,36 @@ class _BodyStore:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.scale, self.zero
 
+    def sparse(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out_val, self.out_idx
+
     def grow(self, capacity: int) -> None:
         def pad(t: torch.Tensor, rows: int) -> torch.Tensor:
             extra = torch.zeros(*t.shape[:2], rows - t.shape[2], *t.shape[3:], dtype=t.dtype, device=t.device)
             return torch.cat([t, extra], dim=2)
 
         self.codes = pad(self.codes, capacity)
+        self.out_val = pad(self.out_val, capacity)
+        self.out_idx = pad(self.out_idx, capacity)
         if self.spec.is_quantized:
             self.scale = pad(self.scale, capacity // self.meta_per_row)
             self.zero = pad(self.zero, capacity // self.meta_per_row)
 
     def _encode(self, x: torch.Tensor):
         if not self.spec.is_quantized:
-            return x.to(self.codes.dtype), None, None
+            return x.to(self.codes.dtype), None, None, None, None, None
         bits, axis, group = _op_format(self.spec)
-        return torch.ops.kvq.quantize(x, bits, axis, group, self.scale_dtype)
+        return torch.ops.kvq.quantize(x, bits, axis, group, self.scale_dtype, self.codebook, self.lo, self.hi, self.n_outliers)
 
     def write(self, start: int, x: torch.Tensor) -> None:
         """Quantize x [B, H, n, D] into positions [start, start + n) (block-aligned)."""
-        codes, scale, zero = self._encode(x)
+        codes, scale, zero, out_val, out_idx, clamped = self._encode(x)
         n = x.shape[2]
         self.codes[:, :, start : start + n] = codes
+        if self.n_outliers:
+            self.out_val[:, :, start : start + n] = out_val
+            self.out_idx[:, :, start : start + n] = out_idx
+            self.clamped += int(clamped)
         if scale is not None:
             r = self.meta_per_row
             self.scale[:, :, start // r : (start + n) // r] = scale
@@ -89,13 +135,18 @@ class _BodyStore:
 
     def write_block_if(self, start: torch.Tensor, x: torch.Tensor, enable: torch.Tensor) -> None:
         """Tensor-only write of one block x [B, H, block, D] at `start` when `enable` (0-dim bool)."""
-        codes, scale, zero = self._encode(x)
+        codes, scale, zero, out_val, out_idx, clamped = self._encode(x)
         rows = start + torch.arange(x.shape[2], device=x.device)
 
         def blend_into(buf: torch.Tensor, idx: torch.Tensor, new: torch.Tensor) -> None:
             buf.index_copy_(2, idx, torch.where(enable, new, buf.index_select(2, idx)))
 
         blend_into(self.codes, rows, codes)
+        if self.n_outliers:
+            blend_into(self.out_val, rows, out_val)
+            blend_into(self.out_idx, rows, out_idx)
+            if not torch.compiler.is_compiling():
+                self.clamped += int(torch.where(enable, clamped, 0))
         if scale is not None:
             r = self.meta_per_row
             meta_rows = torch.div(start, r, rounding_mode="floor") + torch.arange(x.shape[2] // r, device=x.device)
@@ -103,7 +154,8 @@ class _BodyStore:
             blend_into(self.zero, meta_rows, zero)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        held = (*self.tensors(), *self.sparse(), self.codebook)
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 class QuantizedLayer(CacheLayerMixin):
@@ -113,9 +165,15 @@ class QuantizedLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, spec: LayerKV, sink_tokens: int = 0, residual_length: int = 0,
-                 scale_dtype: str = "float16", max_cache_len: int | None = None):  # fmt: skip
+                 scale_dtype: str = "float16", max_cache_len: int | None = None,
+                 calibration: tuple[TensorCalibration | None, TensorCalibration | None] = (None, None),
+                 rope: tuple[torch.Tensor, float] | None = None):  # fmt: skip
         super().__init__()
         self.spec = spec
+        self.calibration = calibration
+        # pre-RoPE keys: (inv_freq, attention_scaling) of the model's rotary embedding
+        self.rope_inv_freq = rope[0].float() if rope is not None else torch.zeros(0)
+        self.rope_scale = float(rope[1]) if rope is not None else 1.0
         self.sink = sink_tokens
         self.residual = residual_length
         self.block = spec.token_block
@@ -137,8 +195,12 @@ class QuantizedLayer(CacheLayerMixin):
         self.spec.value.check_head_dim(dv)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.capacity = self.max_cache_len or 0
-        self.k_body = _BodyStore(self.spec.key, (b, h), d, self.capacity, self.dtype, self.scale_dtype, self.device)
-        self.v_body = _BodyStore(self.spec.value, (b, h), dv, self.capacity, self.dtype, self.scale_dtype, self.device)
+        if self.rope_inv_freq.numel() not in (0, d // 2):
+            raise ValueError(f"rotary inv_freq has {self.rope_inv_freq.numel()} entries, expected head_dim/2 = {d // 2}")
+        self.rope_inv_freq = self.rope_inv_freq.to(self.device)
+        kc, vc = self.calibration
+        self.k_body = _BodyStore(self.spec.key, (b, h), d, self.capacity, self.dtype, self.scale_dtype, self.device, kc)
+        self.v_body = _BodyStore(self.spec.value, (b, h), dv, self.capacity, self.dtype, self.scale_dtype, self.device, vc)
         n_side = self.sink + self.ring
         self.side_k = torch.zeros(b, h, n_side, d, dtype=self.dtype, device=self.device)
         self.side_v = torch.zeros(b, h, n_side, dv, dtype=self.dtype, device=self.device)
@@ -173,11 +235,22 @@ class QuantizedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.rope_inv_freq.numel():
+            key_states = self._unrotate(key_states)
         if key_states.shape[2] == 1 and isinstance(self.cumulative_length, torch.Tensor):
             self._append_one_static(key_states, value_states)
         else:
             self._append_eager(key_states, value_states)
         return self.keys_values()
+
+    def _unrotate(self, k: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys from the model's post-RoPE keys, at the positions they will occupy.
+
+        The rotation is undone at the cache position and redone there by attention, so the net
+        effect is exact even where the model's position ids differ from cache positions.
+        """
+        positions = self.cumulative_length + torch.arange(k.shape[2], device=k.device)
+        return unrotate(k.float(), positions, self.rope_inv_freq, self.rope_scale).to(k.dtype)
 
     def _append_eager(self, k: torch.Tensor, v: torch.Tensor) -> None:
         old = int(self.cumulative_length)
@@ -260,9 +333,18 @@ class QuantizedLayer(CacheLayerMixin):
     def keys_values(self) -> tuple[QuantizedKV, QuantizedKV]:
         kb, ka, kg = _op_format(self.spec.key)
         vb, va, vg = _op_format(self.spec.value)
-        keys = QuantizedKV(*self.k_body.tensors(), self.side_k, self.side_pos, self.body_end, kb, ka, kg, self.sink, self.dtype)
-        values = QuantizedKV(*self.v_body.tensors(), self.side_v, self.side_pos, self.body_end, vb, va, vg, self.sink, self.dtype)
+        k, v = self.k_body, self.v_body
+        no_rope = self.rope_inv_freq[:0]
+        keys = QuantizedKV(*k.tensors(), k.codebook, *k.sparse(), self.side_k, self.side_pos, self.body_end,
+                           self.rope_inv_freq, kb, ka, kg, self.sink, self.dtype, self.rope_scale)  # fmt: skip
+        values = QuantizedKV(*v.tensors(), v.codebook, *v.sparse(), self.side_v, self.side_pos, self.body_end,
+                             no_rope, vb, va, vg, self.sink, self.dtype, 1.0)  # fmt: skip
         return keys, values
+
+    @property
+    def clamped_outliers(self) -> int:
+        """Outlier entries clamped (not kept exact) because their vector's slots were full."""
+        return self.k_body.clamped + self.v_body.clamped if self.is_initialized else 0
 
     # ------------------------------------------------------------------ transformers contract
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -279,7 +361,8 @@ class QuantizedLayer(CacheLayerMixin):
     def reset(self) -> None:
         if not self.is_initialized:
             return
-        for t in (*self.k_body.tensors(), *self.v_body.tensors(), self.side_k, self.side_v, self.body_end):
+        for t in (*self.k_body.tensors(), *self.v_body.tensors(), *self.k_body.sparse(), *self.v_body.sparse(),
+                  self.side_k, self.side_v, self.body_end):  # fmt: skip
             t.zero_()
         self.side_pos.fill_(-1)
         if isinstance(self.cumulative_length, torch.Tensor):
@@ -312,8 +395,8 @@ class QuantizedStaticLayer(QuantizedLayer):
         super().lazy_initialization(key_states, value_states)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():
-            for t in (*self.k_body.tensors(), *self.v_body.tensors(), self.side_k, self.side_v,
-                      self.side_pos, self.body_end, self.cumulative_length):  # fmt: skip
+            for t in (*self.k_body.tensors(), *self.v_body.tensors(), *self.k_body.sparse(), *self.v_body.sparse(),
+                      self.side_k, self.side_v, self.side_pos, self.body_end, self.cumulative_length):  # fmt: skip
                 torch._dynamo.mark_static_address(t)
 
 
@@ -323,13 +406,27 @@ class QuantizedKVCache(Cache):
     Pass `max_cache_len` for the static (preallocated, compileable) variant.
     """
 
-    def __init__(self, config: KVQuantConfig, num_layers: int, max_cache_len: int | None = None):
+    def __init__(self, config: KVQuantConfig, num_layers: int, max_cache_len: int | None = None,
+                 calibration=None, rope: tuple[torch.Tensor, float] | None = None):  # fmt: skip
         specs = config.resolve(num_layers)
-        common = dict(sink_tokens=config.sink_tokens, residual_length=config.residual_length, scale_dtype=config.scale_dtype)
+        if config.needs_calibration and calibration is None:
+            raise ValueError(f"config {config.name!r} uses calibrated datatypes or outliers: pass calibration= "
+                             "(kvq_ao.calibrate / kvq calibrate), or build the cache with kvq_ao.make_cache(model)")  # fmt: skip
+        if config.pre_rope_keys and rope is None:
+            raise ValueError(f"config {config.name!r} stores pre-RoPE keys: pass rope=(inv_freq, attention_scaling)")
+        if calibration is not None:
+            calibration.check(config, num_layers)
+        common = dict(sink_tokens=config.sink_tokens, residual_length=config.residual_length, scale_dtype=config.scale_dtype,
+                      rope=rope if config.pre_rope_keys else None)  # fmt: skip
+
+        def layer_calib(i: int):
+            return calibration.layer(i) if calibration is not None else (None, None)
+
         if max_cache_len is None:
-            layers = [QuantizedLayer(s, **common) for s in specs]
+            layers = [QuantizedLayer(s, calibration=layer_calib(i), **common) for i, s in enumerate(specs)]
         else:
-            layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, **common) for s in specs]
+            layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, calibration=layer_calib(i), **common)
+                      for i, s in enumerate(specs)]  # fmt: skip
         super().__init__(layers=layers)
         self.config = config
 
@@ -339,6 +436,10 @@ class QuantizedKVCache(Cache):
 
     def tensor_bytes(self) -> int:
         return sum(layer.tensor_bytes() for layer in self.layers)
+
+    @property
+    def clamped_outliers(self) -> int:
+        return sum(layer.clamped_outliers for layer in self.layers)
 
     def memory_report(self):
         from kvq_ao.memory import memory_report

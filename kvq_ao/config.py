@@ -22,6 +22,9 @@ from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
 AXES = {"token": AXIS_TOKEN, "channel": AXIS_CHANNEL}
 SCALE_DTYPES = ("float16", "float32")
+# "int": uniform integer grid; "nf": fixed NormalFloat levels; "nuq": per-layer calibrated levels.
+DATATYPES = ("int", "nf", "nuq")
+CODEBOOK_BITS = (2, 3, 4)
 CONFIG_VERSION = 1
 
 
@@ -32,11 +35,17 @@ class QuantSpec:
     bits: 2, 3, 4 or 8 for packed integer codes; None keeps full precision ("none" in JSON).
     axis: "channel" quantizes each channel over blocks of `group_size` tokens (KIVI keys);
           "token" quantizes each token over groups of `group_size` channels (values).
+    dtype: "int" (uniform levels), "nf" (NormalFloat levels) or "nuq" (per-layer levels from
+          Fisher-weighted k-means, KVQuant; needs a calibration). nf/nuq take 2, 3 or 4 bits.
+    outliers: fraction of each vector's entries kept exact (KVQuant's dense-and-sparse, e.g.
+          0.01); needs a calibration (the per-channel outlier thresholds).
     """
 
     bits: int | None = None
     axis: str = "token"
     group_size: int = 32
+    dtype: str = "int"
+    outliers: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -45,6 +54,17 @@ class QuantSpec:
             raise ValueError(f"axis must be one of {sorted(AXES)}, got {self.axis!r}")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
             raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
+        if self.dtype not in DATATYPES:
+            raise ValueError(f"dtype must be one of {DATATYPES}, got {self.dtype!r}")
+        if self.dtype != "int" and self.bits is not None and self.bits not in CODEBOOK_BITS:
+            raise ValueError(f"dtype {self.dtype!r} supports bits {CODEBOOK_BITS}, got {self.bits}")
+        if isinstance(self.outliers, bool) or not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= 0.25:
+            raise ValueError(f"outliers must be a fraction in [0, 0.25], got {self.outliers!r}")
+        object.__setattr__(self, "outliers", float(self.outliers))
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.is_quantized and (self.dtype == "nuq" or self.outliers > 0)
 
     @property
     def is_quantized(self) -> bool:
@@ -68,15 +88,28 @@ class QuantSpec:
         if head_dim % per_word:
             raise ValueError(f"{self.bits}-bit packing needs head_dim divisible by {per_word}, got {head_dim}")
 
+    def label(self) -> str:
+        if self.bits is None:
+            return "fp"
+        kind = {"int": "int", "nf": "nf", "nuq": "nuq"}[self.dtype]
+        out = f"+{self.outliers:.0%}" if self.outliers else ""
+        return f"{kind}{self.bits}-{self.axis[0]}{self.group_size}{out}"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"bits": "none" if self.bits is None else self.bits, "axis": self.axis, "group_size": self.group_size}
+        d = {"bits": "none" if self.bits is None else self.bits, "axis": self.axis, "group_size": self.group_size}
+        if self.dtype != "int":
+            d["dtype"] = self.dtype
+        if self.outliers:
+            d["outliers"] = self.outliers
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        _check_keys(d, {"bits", "axis", "group_size"}, "QuantSpec")
+        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers"}, "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
-        return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32))
+        return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32),
+                   dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)
@@ -123,6 +156,10 @@ class KVQuantConfig(AOBaseConfig):
     residual_length: the most recent tokens kept in full precision (KIVI's residual). Tokens
         become quantized in blocks once they fall behind this window.
     scale_dtype: dtype of scales and zero points ("float16" halves metadata, as KIVI does).
+    pre_rope_keys: store keys before the rotary embedding and rotate them inside attention
+        after dequantization (KVQuant). The cache un-rotates the model's keys itself.
+    calibration: path of a calibration artifact (`kvq calibrate`) for configs with "nuq"
+        datatypes or outliers; "auto" finds (or makes) the model's artifact in the user cache.
     """
 
     default: LayerKV = field(default_factory=LayerKV)
@@ -130,6 +167,8 @@ class KVQuantConfig(AOBaseConfig):
     sink_tokens: int = 0
     residual_length: int = 0
     scale_dtype: str = "float16"
+    pre_rope_keys: bool = False
+    calibration: str | None = None
     name: str = "custom"
     version: int = CONFIG_VERSION
 
@@ -144,6 +183,10 @@ class KVQuantConfig(AOBaseConfig):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if not isinstance(self.pre_rope_keys, bool):
+            raise ValueError(f"pre_rope_keys must be true or false, got {self.pre_rope_keys!r}")
+        if self.calibration is not None and not isinstance(self.calibration, str):
+            raise ValueError(f"calibration must be a path, 'auto' or null, got {self.calibration!r}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.version != CONFIG_VERSION:
@@ -155,6 +198,10 @@ class KVQuantConfig(AOBaseConfig):
                     f"layer {i}: sink_tokens ({self.sink_tokens}) must be smaller than the per-channel "
                     f"token group ({block}) so sink tokens can be left out of the group's range"
                 )
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(s.needs_calibration for layer in (self.default, *self.layers) for s in (layer.key, layer.value))
 
     # ----------------------------------------------------------------- per-layer view
     def layer(self, index: int) -> LayerKV:
@@ -190,6 +237,8 @@ class KVQuantConfig(AOBaseConfig):
             "sink_tokens": self.sink_tokens,
             "residual_length": self.residual_length,
             "scale_dtype": self.scale_dtype,
+            "pre_rope_keys": self.pre_rope_keys,
+            "calibration": self.calibration,
             "default": self.default.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
         }
@@ -198,7 +247,8 @@ class KVQuantConfig(AOBaseConfig):
     def from_dict(cls, d: dict[str, Any]) -> KVQuantConfig:
         if not isinstance(d, dict) or "kvq_ao_config" not in d:
             raise ValueError("not a kvq_ao config: expected a JSON object with a 'kvq_ao_config' version field")
-        _check_keys(d, {"kvq_ao_config", "name", "sink_tokens", "residual_length", "scale_dtype", "default", "layers"}, "config")
+        _check_keys(d, {"kvq_ao_config", "name", "sink_tokens", "residual_length", "scale_dtype", "default", "layers",
+                        "pre_rope_keys", "calibration"}, "config")  # fmt: skip
         layers = d.get("layers", [])
         if not isinstance(layers, list):
             raise ValueError(f"config 'layers' must be a list, got {type(layers).__name__}")
@@ -208,9 +258,14 @@ class KVQuantConfig(AOBaseConfig):
             sink_tokens=d.get("sink_tokens", 0),
             residual_length=d.get("residual_length", 0),
             scale_dtype=d.get("scale_dtype", "float16"),
+            pre_rope_keys=d.get("pre_rope_keys", False),
+            calibration=d.get("calibration", None),
             name=d.get("name", "custom"),
             version=d["kvq_ao_config"],
         )
+
+    def to_json_key(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -244,6 +299,21 @@ def _kivi(bits: int) -> KVQuantConfig:
     )
 
 
+def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
+    """KVQuant: pre-RoPE per-channel keys, per-token values, calibrated nuq levels, a 1-token sink.
+
+    Keys are grouped per channel over blocks of 128 tokens (the block being filled stays in the
+    full-precision side store, ~64 tokens on average); values per token over the whole head.
+    """
+    return KVQuantConfig(
+        default=LayerKV(QuantSpec(bits, "channel", 128, "nuq", outliers), QuantSpec(bits, "token", 64, "nuq", outliers)),
+        sink_tokens=1,
+        pre_rope_keys=True,
+        calibration="auto",
+        name=f"kvquant-{bits}" + ("-1pct" if outliers else ""),
+    )
+
+
 PRESETS: dict[str, KVQuantConfig] = {
     "fp": KVQuantConfig(name="fp"),
     # 8-bit with KIVI's axes: per-token int8 keys (g64) flipped a near-tie greedy token on SmolLM2
@@ -253,4 +323,6 @@ PRESETS: dict[str, KVQuantConfig] = {
     "kivi-4": _kivi(4),
     "kivi-3": _kivi(3),
     "kivi-2": _kivi(2),
+    **{f"kvquant-{b}": _kvquant(b, 0.0) for b in (4, 3, 2)},
+    **{f"kvquant-{b}-1pct": _kvquant(b, 0.01) for b in (4, 3, 2)},
 }

@@ -1,6 +1,7 @@
 """Memory accounting for quantized KV caches, computed from the specs (not from the tensors).
 
-Counted: packed codes, scales and zero points, the full-precision side store (sink tokens and
+Counted: packed codes, scales and zero points, exact outliers (value + uint8 channel index per
+slot), codebooks, the full-precision side store (sink tokens and
 the recent window, with their int64 positions), and the body's unused capacity. Bits per
 element divide all of that by the number of K and V elements the cache stands for, so a
 "4-bit" cache with a 128-token fp16 window really reports more than 4 bits at short context.
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.quant.outliers import outlier_slots
 
 _SIDE_POS_BYTES = 8  # int64 positions
 
@@ -25,7 +27,9 @@ def body_bytes(spec: QuantSpec, heads: int, head_dim: int, tokens: int, dtype_by
         return heads * tokens * head_dim * dtype_bytes
     codes = heads * tokens * head_dim * spec.bits // 8
     meta_rows = tokens * head_dim // spec.group_size  # per-token: T x D/G; per-channel: T/G x D
-    return codes + 2 * heads * meta_rows * scale_bytes
+    sparse = heads * tokens * outlier_slots(spec.outliers, head_dim) * (dtype_bytes + 1)
+    codebook = 4 * 2**spec.bits if spec.dtype != "int" else 0
+    return codes + 2 * heads * meta_rows * scale_bytes + sparse + codebook
 
 
 def layer_bytes(spec: LayerKV, sink: int, residual: int, heads: int, head_dim: int, tokens: int,

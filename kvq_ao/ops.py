@@ -36,38 +36,72 @@ def _meta_shapes(shape, bits: int, axis: int, group: int) -> tuple[list[int], li
 # --------------------------------------------------------------------------- quantize
 @torch.library.custom_op("kvq::quantize", mutates_args=())
 def quantize(
-    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., T, D] float -> (packed uint8 codes, scale, zero) in scale_dtype."""
-    _check_format(bits, axis, group)
-    _meta_shapes(x.shape, bits, axis, group)
-    return composite.quantize(x, bits, axis, group, scale_dtype)
+    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype,
+    codebook: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_outliers: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [B, H, T, D] float -> (codes, scale, zero, outlier values, outlier indices, clamped count).
+
+    codebook: empty for the uniform grid, else 2**bits sorted levels in [0, 1]. n_outliers > 0
+    keeps that many outliers per vector exact, judged by the channel ranges lo/hi [H, D].
+    """
+    _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
+    return composite.quantize(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers)
 
 
 @quantize.register_fake
-def _(x, bits, axis, group, scale_dtype):
-    _check_format(bits, axis, group)
+def _(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers):
+    _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
     codes, scale = _meta_shapes(x.shape, bits, axis, group)
+    sparse = [*x.shape[:-1], n_outliers]
     return (
         x.new_empty(codes, dtype=torch.uint8),
         x.new_empty(scale, dtype=scale_dtype),
         x.new_empty(scale, dtype=scale_dtype),
+        x.new_empty(sparse),
+        x.new_empty(sparse, dtype=torch.uint8),
+        x.new_empty([], dtype=torch.int64),
     )
+
+
+def _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers) -> None:
+    _check_format(bits, axis, group)
+    _meta_shapes(x.shape, bits, axis, group)
+    _check_codebook_shape(codebook, bits)
+    if n_outliers < 0 or n_outliers > x.shape[-1]:
+        raise ValueError(f"kvq: n_outliers must be in [0, head_dim={x.shape[-1]}], got {n_outliers}")
+    if n_outliers > 0:
+        if x.dim() != 4:
+            raise ValueError("kvq: outliers need x as [batch, heads, tokens, head_dim]")
+        if x.shape[-1] >= 255:
+            raise ValueError(f"kvq: outliers need head_dim < 255 (uint8 channel indices), got {x.shape[-1]}")
+        want = (x.shape[1], x.shape[-1])
+        if tuple(lo.shape) != want or tuple(hi.shape) != want:
+            raise ValueError(f"kvq: outlier thresholds must be [heads, head_dim] = {list(want)}, got {list(lo.shape)} and {list(hi.shape)}")
+
+
+def _check_codebook_shape(codebook: torch.Tensor, bits: int) -> None:
+    if codebook.numel() == 0:
+        return
+    if bits not in (2, 3, 4) or codebook.dim() != 1 or codebook.numel() != 2**bits:
+        raise ValueError(f"kvq: a codebook must hold 2**bits levels for bits in (2, 3, 4); got {list(codebook.shape)} for {bits} bits")
 
 
 # --------------------------------------------------------------------------- dequantize
 @torch.library.custom_op("kvq::dequantize", mutates_args=())
 def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, axis: int, group: int, dtype: torch.dtype
-) -> torch.Tensor:
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codebook: torch.Tensor, out_val: torch.Tensor,
+    out_idx: torch.Tensor, bits: int, axis: int, group: int, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
     """Packed codes [..., T, D*bits/8] -> [..., T, D] in dtype (bits == 0: codes are already float)."""
     _check_format(bits, axis, group, allow_fp=True)
-    return composite.dequantize(codes, scale, zero, bits, axis, group, dtype)
+    _check_codebook_shape(codebook, bits)
+    return composite.dequantize(codes, scale, zero, codebook, out_val, out_idx, bits, axis, group, dtype)
 
 
 @dequantize.register_fake
-def _(codes, scale, zero, bits, axis, group, dtype):
+def _(codes, scale, zero, codebook, out_val, out_idx, bits, axis, group, dtype):
     _check_format(bits, axis, group, allow_fp=True)
+    _check_codebook_shape(codebook, bits)
     if bits == 0:
         return codes.new_empty(codes.shape, dtype=dtype)
     *lead, t, m = codes.shape
@@ -81,16 +115,24 @@ def attention(
     k_codes: torch.Tensor,
     k_scale: torch.Tensor,
     k_zero: torch.Tensor,
+    k_codebook: torch.Tensor,
+    k_out_val: torch.Tensor,
+    k_out_idx: torch.Tensor,
     v_codes: torch.Tensor,
     v_scale: torch.Tensor,
     v_zero: torch.Tensor,
+    v_codebook: torch.Tensor,
+    v_out_val: torch.Tensor,
+    v_out_idx: torch.Tensor,
     side_k: torch.Tensor,
     side_v: torch.Tensor,
     side_pos: torch.Tensor,
     body_end: torch.Tensor,
     mask: torch.Tensor,
+    rope_inv_freq: torch.Tensor,
     body_start: int,
     scaling: float,
+    rope_scale: float,
     k_bits: int,
     k_axis: int,
     k_group: int,
@@ -99,23 +141,32 @@ def attention(
     v_group: int,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] over one layer's quantized cache; see kernels/composite.py."""
-    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis, v_group)
+    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
+                     v_group, k_codebook, v_codebook, rope_inv_freq)  # fmt: skip
     return composite.attention(
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, side_k, side_v, side_pos, body_end, mask,
-        body_start, scaling, k_bits, k_axis, k_group, v_bits, v_axis, v_group,
+        q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook,
+        v_out_val, v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling,
+        rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group,
     )  # fmt: skip
 
 
 @attention.register_fake
-def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, side_k, side_v, side_pos, body_end, mask,
-      body_start, scaling, k_bits, k_axis, k_group, v_bits, v_axis, v_group):  # fmt: skip
-    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis, v_group)
+def _(q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook,
+      v_out_val, v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling,
+      rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group):  # fmt: skip
+    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
+                     v_group, k_codebook, v_codebook, rope_inv_freq)  # fmt: skip
     return q.new_empty([*q.shape[:-1], side_v.shape[-1]])
 
 
-def _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis, v_group):
+def _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
+                     v_group, k_codebook, v_codebook, rope_inv_freq):  # fmt: skip
     _check_format(k_bits, k_axis, k_group, allow_fp=True)
     _check_format(v_bits, v_axis, v_group, allow_fp=True)
+    _check_codebook_shape(k_codebook, k_bits)
+    _check_codebook_shape(v_codebook, v_bits)
+    if rope_inv_freq.numel() not in (0, side_k.shape[-1] // 2):
+        raise ValueError(f"kvq.attention: rope_inv_freq must be empty or head_dim/2 = {side_k.shape[-1] // 2} long")
     if q.dim() != 4 or k_codes.dim() != 4 or v_codes.dim() != 4:
         raise ValueError("kvq.attention: q and the cache must be 4-D [batch, heads, tokens, head_dim]")
     hq, hkv = q.shape[1], k_codes.shape[1]

@@ -5,6 +5,9 @@ A wrapper tensor subclass (on torchao's `TorchAOBaseTensor`) whose logical value
 
 * `codes`, `scale`, `zero`: the packed body over the layer's T positions (see
   `kvq_ao.quant.uniform`; `bits == 0` means `codes` is plain float and scale/zero are empty);
+  `codebook` (empty: uniform levels), `out_val`/`out_idx` (exact outliers, k per vector);
+* `rope_inv_freq` (empty unless keys are stored before RoPE) and `rope_scale`: the rotation
+  applied to each key at its own position when it is read;
 * `side`, `side_pos`: full-precision entries (sink tokens, recent window) and their positions;
 * `body_end` (0-dim int64 tensor) and `body_start` (int): body positions in
   [body_start, body_end) are read from the codes, every other valid position from `side`.
@@ -28,43 +31,68 @@ aten = torch.ops.aten
 
 
 class QuantizedKV(TorchAOBaseTensor):
-    tensor_data_names = ["codes", "scale", "zero", "side", "side_pos", "body_end"]
-    tensor_attribute_names = ["bits", "axis", "group", "body_start", "logical_dtype"]
+    tensor_data_names = ["codes", "scale", "zero", "codebook", "out_val", "out_idx", "side", "side_pos", "body_end", "rope_inv_freq"]
+    tensor_attribute_names = ["bits", "axis", "group", "body_start", "logical_dtype", "rope_scale"]
 
-    def __new__(cls, codes, scale, zero, side, side_pos, body_end, bits, axis, group, body_start, logical_dtype):
+    def __new__(cls, codes, scale, zero, codebook, out_val, out_idx, side, side_pos, body_end, rope_inv_freq,
+                bits, axis, group, body_start, logical_dtype, rope_scale=1.0):  # fmt: skip
         b, h, t = codes.shape[:3]
         shape = (b, h, t, side.shape[-1])
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=logical_dtype, device=codes.device)
 
-    def __init__(self, codes, scale, zero, side, side_pos, body_end, bits, axis, group, body_start, logical_dtype):
+    def __init__(self, codes, scale, zero, codebook, out_val, out_idx, side, side_pos, body_end, rope_inv_freq,
+                 bits, axis, group, body_start, logical_dtype, rope_scale=1.0):  # fmt: skip
         self.codes, self.scale, self.zero = codes, scale, zero
+        self.codebook, self.out_val, self.out_idx = codebook, out_val, out_idx
         self.side, self.side_pos, self.body_end = side, side_pos, body_end
+        self.rope_inv_freq, self.rope_scale = rope_inv_freq, rope_scale
         self.bits, self.axis, self.group = bits, axis, group
         self.body_start, self.logical_dtype = body_start, logical_dtype
 
+    @property
+    def pre_rope(self) -> bool:
+        return self.rope_inv_freq.numel() > 0
+
     def __repr__(self) -> str:
         fmt = "float" if self.bits == 0 else f"{self.bits}-bit {'channel' if self.axis == AXIS_CHANNEL else 'token'} g{self.group}"
+        if self.codebook.numel():
+            fmt += " codebook"
+        if self.out_val.shape[-1]:
+            fmt += f" +{self.out_val.shape[-1]} outliers/vector"
+        if self.pre_rope:
+            fmt += " pre-RoPE"
         return f"QuantizedKV(shape={tuple(self.shape)}, {fmt}, side={self.side.shape[2]})"
 
     def body(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The dequantized body over all T positions (side entries not applied)."""
+        """The dequantized body over all T positions as stored (side entries not applied, pre-RoPE keys not rotated)."""
         dtype = dtype or self.logical_dtype
-        return torch.ops.kvq.dequantize(self.codes, self.scale, self.zero, self.bits, self.axis, self.group, dtype)
+        return torch.ops.kvq.dequantize(self.codes, self.scale, self.zero, self.codebook, self.out_val, self.out_idx,
+                                        self.bits, self.axis, self.group, dtype)  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The logical [B, H, T, D] tensor: body where it is read, side entries elsewhere.
+        """The logical [B, H, T, D] tensor (post-RoPE keys): body where it is read, side entries elsewhere.
 
         Positions the cache holds nowhere (beyond its length) are zero.
         """
         out = self.body(dtype)
+        if self.pre_rope:
+            out = self._rotate(out, torch.arange(out.shape[2], device=out.device))
         positions = torch.arange(out.shape[2], device=out.device)
         in_body = (positions >= self.body_start) & (positions < self.body_end)
         out = out * in_body.view(1, 1, -1, 1).to(out.dtype)
         pos = self.side_pos
         use = (pos >= 0) & ((pos < self.body_start) | (pos >= self.body_end)) & (pos < out.shape[2])
         if bool(use.any()):
-            out.index_copy_(2, pos[use], self.side[:, :, use].to(out.dtype))
+            side = self.side[:, :, use].to(out.dtype)
+            if self.pre_rope:
+                side = self._rotate(side, pos[use])
+            out.index_copy_(2, pos[use], side)
         return out
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        from kvq_ao.quant.rope import rotate
+
+        return rotate(x.float(), positions, self.rope_inv_freq, self.rope_scale).to(x.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -92,12 +120,15 @@ def _copy(func, types, args, kwargs):
         return dst
     if src.shape != dst.shape:
         raise ValueError(f"copy_ into QuantizedKV of shape {tuple(dst.shape)} from shape {tuple(src.shape)}")
-    if dst.body_start:
-        raise ValueError("copy_ of a float tensor into a QuantizedKV with sink tokens is not supported")
+    if dst.body_start or dst.pre_rope or dst.out_val.shape[-1]:
+        raise ValueError("copy_ of a float tensor is only supported into a QuantizedKV without sink tokens, "
+                         "outliers or pre-RoPE keys (write through the cache's update() instead)")  # fmt: skip
     if dst.bits == 0:
         dst.codes.copy_(src)
     else:
-        codes, scale, zero = torch.ops.kvq.quantize(src, dst.bits, dst.axis, dst.group, dst.scale.dtype)
+        empty = src.new_zeros(0)
+        codes, scale, zero, *_ = torch.ops.kvq.quantize(src, dst.bits, dst.axis, dst.group, dst.scale.dtype,
+                                                        dst.codebook, empty, empty, 0)  # fmt: skip
         dst.codes.copy_(codes)
         dst.scale.copy_(scale)
         dst.zero.copy_(zero)

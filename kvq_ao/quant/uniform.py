@@ -71,6 +71,26 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
+def group_range(g: torch.Tensor, dim: int, levels: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zero, scale) of each group of g along `dim` (kept), float32 holding `scale_dtype` values.
+
+    Zero is the group minimum rounded down and scale is (max - zero) / levels rounded up, so
+    every element stays inside the stored range [zero, zero + levels * scale] and the error
+    bound is half a step of the *stored* scale, whatever scale_dtype is.
+    """
+    lo = g.amin(dim=dim, keepdim=True)
+    hi = g.amax(dim=dim, keepdim=True)
+    finfo = torch.finfo(scale_dtype)
+    zero = _rounded(lo.clamp(finfo.min, finfo.max), scale_dtype)
+    zero = torch.where(zero > lo, _step(zero, -1.0, scale_dtype), zero)
+    scale = _rounded(((hi - zero) / levels).clamp(0.0, finfo.max), scale_dtype)
+    # Checked in float64, where fp16/fp32 scale * levels + zero is exact: in float32 the result
+    # depends on whether a runtime fuses the multiply-add (onnxruntime does), flipping the choice.
+    too_small = scale.double() * levels + zero.double() < hi.double()
+    scale = torch.where(too_small, _step(scale, 1.0, scale_dtype), scale)
+    return zero, scale
+
+
 def quantize_uniform(
     x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,18 +103,7 @@ def quantize_uniform(
     levels = 2**bits - 1
     g = _grouped(x.float(), axis, group)
     dim = _reduce_dim(axis)
-    lo = g.amin(dim=dim, keepdim=True)
-    hi = g.amax(dim=dim, keepdim=True)
-    finfo = torch.finfo(scale_dtype)
-    # Store zero rounded down and scale rounded up, so every element stays inside the stored
-    # range and the error bound is half a step of the *stored* scale, whatever scale_dtype is.
-    zero = _rounded(lo.clamp(finfo.min, finfo.max), scale_dtype)
-    zero = torch.where(zero > lo, _step(zero, -1.0, scale_dtype), zero)
-    scale = _rounded(((hi - zero) / levels).clamp(0.0, finfo.max), scale_dtype)
-    # Checked in float64, where fp16/fp32 scale * levels + zero is exact: in float32 the result
-    # depends on whether a runtime fuses the multiply-add (onnxruntime does), flipping the choice.
-    too_small = scale.double() * levels + zero.double() < hi.double()
-    scale = torch.where(too_small, _step(scale, 1.0, scale_dtype), scale)
+    zero, scale = group_range(g, dim, levels, scale_dtype)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((g - zero) / safe).clamp(0.0, float(levels))
     codes = codes.reshape(x.shape).to(torch.uint8)

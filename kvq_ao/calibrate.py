@@ -1,0 +1,420 @@
+"""Offline calibration for KVQuant's datatypes: Fisher-weighted codebooks and outlier thresholds.
+
+`calibrate(model, texts, config)` runs the model on calibration text (never the evaluation
+text), collects every layer's keys (pre-RoPE when the config says so) and values together with
+their Fisher information (squared gradients of the language-model loss with respect to those
+activations, one backward pass per sample), and fits what the config's specs need:
+
+* outlier thresholds: per channel, the (f/2, 1 - f/2) quantiles of the calibration activations
+  for an outlier fraction f (`kvq_ao.quant.outliers`);
+* "nuq" codebooks: per layer, for keys and values separately, 2**bits levels from 1-D k-means
+  on the activations normalized exactly as the cache normalizes them (groups, outlier clamping,
+  sink tokens left out), each entry weighted by its Fisher information (KVQuant: the levels go
+  where errors hurt the loss), optionally with Q-Norm (the dequantized distribution's mean and
+  standard deviation matched to the original's).
+
+The result is a `Calibration`: a safetensors file of tensors plus a JSON file of metadata (no
+pickle), checked on load against the model and config it is used with.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kvq_ao.cache import TensorCalibration
+from kvq_ao.config import KVQuantConfig, QuantSpec
+from kvq_ao.quant.rope import rotate
+from kvq_ao.quant.uniform import AXIS_CHANNEL, _grouped, _reduce_dim, group_range
+
+CALIBRATION_VERSION = 1
+KINDS = ("key", "value")
+
+
+# ----------------------------------------------------------------------------- artifact
+class Calibration:
+    """Per-layer codebooks and outlier thresholds for one model and one config."""
+
+    def __init__(self, meta: dict, tensors: dict[str, torch.Tensor]):
+        self.meta, self.tensors = meta, tensors
+
+    @staticmethod
+    def key(layer: int, kind: str, what: str) -> str:
+        return f"layers.{layer}.{kind}.{what}"
+
+    def layer(self, i: int) -> tuple[TensorCalibration, TensorCalibration]:
+        def one(kind: str) -> TensorCalibration:
+            get = lambda what: self.tensors.get(self.key(i, kind, what))  # noqa: E731
+            return TensorCalibration(codebook=get("codebook"), lo=get("lo"), hi=get("hi"))
+
+        return one("key"), one("value")
+
+    # -- checks
+    def check(self, config: KVQuantConfig, num_layers: int) -> None:
+        """Raise a clear error unless this calibration was made for `config` on a model with `num_layers`."""
+        model = self.meta["model"]
+        if model["num_layers"] != num_layers:
+            raise ValueError(f"calibration {self.name!r} was made for a model with {model['num_layers']} layers, "
+                             f"this model has {num_layers}")  # fmt: skip
+        made_for = KVQuantConfig.from_dict(self.meta["config"])
+        if (made_for.resolve(num_layers), made_for.pre_rope_keys, made_for.sink_tokens) != (
+            config.resolve(num_layers), config.pre_rope_keys, config.sink_tokens,
+        ):  # fmt: skip
+            raise ValueError(f"calibration {self.name!r} was made for config {made_for.name!r}, whose layer specs, "
+                             f"pre_rope_keys or sink_tokens differ from {config.name!r}; calibrate this config "
+                             f"(kvq calibrate --preset/--config)")  # fmt: skip
+
+    def check_model(self, num_layers: int, kv_heads: int, head_dim: int) -> None:
+        model = self.meta["model"]
+        want = (model["num_layers"], model["kv_heads"], model["head_dim"])
+        if want != (num_layers, kv_heads, head_dim):
+            raise ValueError(
+                f"calibration {self.name!r} was made for {model.get('name', '?')} ({want[0]} layers, {want[1]} KV heads, "
+                f"head_dim {want[2]}), not for this model ({num_layers} layers, {kv_heads} KV heads, head_dim {head_dim})"
+            )
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("path", self.meta["config"].get("name", "?"))
+
+    # -- files
+    def save(self, path: str | Path) -> Path:
+        """Write `path` (.json metadata) and its .safetensors next to it; returns the JSON path."""
+        from safetensors.torch import save_file
+
+        path = Path(path).with_suffix(".json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensor_path = path.with_suffix(".safetensors")
+        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tensor_path))
+        meta = dict(self.meta, tensors_file=tensor_path.name, tensors_sha256=_sha256(tensor_path))
+        meta.pop("path", None)
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        from safetensors.torch import load_file
+
+        path = Path(path).with_suffix(".json")
+        if not path.exists():
+            raise FileNotFoundError(f"no calibration at {path} (make one with `kvq calibrate`)")
+        try:
+            meta = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: corrupt calibration metadata ({e})") from None
+        if not isinstance(meta, dict) or meta.get("kvq_ao_calibration") != CALIBRATION_VERSION:
+            raise ValueError(f"{path}: not a kvq_ao calibration (version {CALIBRATION_VERSION}) file")
+        for field in ("model", "config", "tensors_file", "tensors_sha256"):
+            if field not in meta:
+                raise ValueError(f"{path}: calibration metadata lacks {field!r}")
+        tensor_path = path.parent / meta["tensors_file"]
+        if not tensor_path.exists():
+            raise FileNotFoundError(f"{path}: its tensors file {tensor_path} is missing")
+        if _sha256(tensor_path) != meta["tensors_sha256"]:
+            raise ValueError(f"{tensor_path}: corrupt or truncated (checksum differs from {path.name})")
+        try:
+            tensors = load_file(str(tensor_path))
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"{tensor_path}: unreadable safetensors file ({e})") from None
+        meta["path"] = str(path)
+        return cls(meta, tensors)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- activations
+@dataclass
+class Activations:
+    """Per layer: keys and values [S, H, T, D] (keys as the config stores them) and their Fisher info."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_fisher: list[torch.Tensor]
+    value_fisher: list[torch.Tensor]
+    pre_rope: bool
+
+    def of(self, kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return (self.keys, self.key_fisher) if kind == "key" else (self.values, self.value_fisher)
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    mods = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def rotary_of(model) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) of the model's rotary embedding, for pre-RoPE keys."""
+    for m in model.modules():
+        if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling"):
+            rope_type = getattr(m, "rope_type", "default")
+            if rope_type in ("dynamic", "longrope"):
+                raise ValueError(f"pre-RoPE keys need a position-independent rotary embedding; {rope_type!r} RoPE "
+                                 "changes its frequencies with the sequence length")  # fmt: skip
+            return m.inv_freq.detach().float().clone(), float(m.attention_scaling)
+    raise ValueError("pre-RoPE keys: the model has no rotary embedding module (inv_freq, attention_scaling)")
+
+
+def collect(model, ids: torch.Tensor, pre_rope: bool, progress: bool = True) -> Activations:
+    """Run `ids` [S, T] one sample at a time; record K/V activations and their squared gradients.
+
+    Keys are hooked where they leave the projection (after a per-head k_norm if the model has
+    one): that is the pre-RoPE key. Post-RoPE keys and their gradients follow by rotation.
+    """
+    attns = _attention_modules(model)
+    if not attns:
+        raise ValueError("calibration: found no attention modules with k_proj/v_proj")
+    n_layers = len(attns)
+    head_dim = attns[0].head_dim
+    leaves: dict[tuple[int, str], torch.Tensor] = {}
+
+    def hook(i: int, kind: str):
+        def fn(_mod, _inp, out):
+            leaf = out.detach().requires_grad_(True)
+            leaves[(i, kind)] = leaf
+            return leaf
+
+        return fn
+
+    handles = []
+    for i, a in enumerate(attns):
+        key_src = a.k_norm if hasattr(a, "k_norm") else a.k_proj
+        handles.append(key_src.register_forward_hook(hook(i, "key")))
+        handles.append(a.v_proj.register_forward_hook(hook(i, "value")))
+    acts = {(i, kind): [] for i in range(n_layers) for kind in KINDS}
+    fisher = {(i, kind): [] for i in range(n_layers) for kind in KINDS}
+    inv_freq, rope_scale = rotary_of(model)
+    was_training = model.training
+    requires = [p.requires_grad for p in model.parameters()]
+    try:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for s in tqdm(range(ids.shape[0]), desc="calibration forward/backward", disable=not progress):
+            x = ids[s : s + 1]
+            logits = model(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits[0, :-1].float(), x[0, 1:])
+            loss.backward()
+            for (i, kind), leaf in leaves.items():
+                t = x.shape[1]
+                a = leaf.detach().reshape(1, t, -1, head_dim).transpose(1, 2)[0].float()  # [H, T, D]
+                g = leaf.grad.reshape(1, t, -1, head_dim).transpose(1, 2)[0].float()
+                if kind == "key" and not pre_rope:
+                    pos = torch.arange(t)
+                    a = rotate(a, pos, inv_freq, rope_scale)
+                    g = rotate(g, pos, inv_freq, 1.0 / rope_scale)  # dL/dk_post = R dL/dk_pre / s
+                acts[(i, kind)].append(a)
+                fisher[(i, kind)].append(g.square())
+            leaves.clear()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, r in zip(model.parameters(), requires):
+            p.requires_grad_(r)
+        model.train(was_training)
+    stack = lambda d, kind: [torch.stack(d[(i, kind)]) for i in range(n_layers)]  # noqa: E731
+    return Activations(stack(acts, "key"), stack(acts, "value"), stack(fisher, "key"), stack(fisher, "value"), pre_rope)
+
+
+# ----------------------------------------------------------------------------- fitting
+def channel_thresholds(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, H, T, D] -> per-channel (lo, hi) [H, D] at the (f/2, 1 - f/2) quantiles."""
+    h, d = x.shape[1], x.shape[3]
+    flat = x.permute(1, 3, 0, 2).reshape(h * d, -1)
+    q = torch.tensor([fraction / 2, 1 - fraction / 2], dtype=torch.float32)
+    lo_hi = torch.quantile(flat, q, dim=1)  # [2, H*D]
+    return lo_hi[0].reshape(h, d).contiguous(), lo_hi[1].reshape(h, d).contiguous()
+
+
+def normalized(x: torch.Tensor, spec: QuantSpec, sink: int, lo: torch.Tensor | None, hi: torch.Tensor | None):
+    """(u in [0, 1], keep mask) of x [S, H, T, D] as the cache normalizes it before the level search.
+
+    Entries kept exact as outliers and sink tokens are masked out of the fit.
+    """
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if lo is not None:
+        lo4, hi4 = lo[None, :, None, :], hi[None, :, None, :]
+        keep &= (x >= lo4) & (x <= hi4)
+        x = torch.minimum(torch.maximum(x, lo4), hi4)
+    if sink:
+        keep[:, :, :sink] = False
+        if spec.axis_id == AXIS_CHANNEL:  # the cache stands the block's last token in for sink tokens
+            x = x.clone()
+            x[:, :, :sink] = x[:, :, spec.group_size - 1 : spec.group_size]
+    g = _grouped(x, spec.axis_id, spec.group_size)
+    dim = _reduce_dim(spec.axis_id)
+    zero, scale = group_range(g, dim, 1, torch.float16)
+    u = ((g - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))).reshape(x.shape)
+    return u.clamp(0.0, 1.0), keep
+
+
+def weighted_kmeans_1d(u: torch.Tensor, w: torch.Tensor, k: int, iters: int = 60, seed: int = 0) -> torch.Tensor:
+    """Sorted k levels minimizing sum w * (u - level)^2 (Lloyd's algorithm in one dimension).
+
+    Initialized at weighted quantiles; an empty cluster keeps its level.
+    """
+    u, w = u.double().flatten(), w.double().flatten()
+    if u.numel() == 0 or float(w.sum()) <= 0:
+        raise ValueError("k-means needs points with positive total weight")
+    order = torch.argsort(u)
+    cdf = torch.cumsum(w[order], 0) / w.sum()
+    targets = (torch.arange(k, dtype=torch.float64) + 0.5) / k
+    levels = u[order][torch.searchsorted(cdf, targets).clamp(max=u.numel() - 1)]
+    for _ in range(iters):
+        mids = (levels[1:] + levels[:-1]) / 2
+        code = torch.bucketize(u, mids)
+        mass = torch.zeros(k, dtype=torch.float64).index_add_(0, code, w)
+        total = torch.zeros(k, dtype=torch.float64).index_add_(0, code, w * u)
+        new = torch.where(mass > 0, total / mass.clamp(min=1e-300), levels)
+        new, _ = torch.sort(new)
+        if torch.allclose(new, levels, atol=1e-9, rtol=0):
+            levels = new
+            break
+        levels = new
+    return levels.clamp(0.0, 1.0).float()
+
+
+def qnorm(levels: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Q-Norm: shift/scale levels so the dequantized values' mean and std match the originals'."""
+    u, w = u.double().flatten(), w.double().flatten()
+    lv = levels.double()
+    q = lv[torch.bucketize(u, (lv[1:] + lv[:-1]) / 2)]
+    mean = lambda v: (w * v).sum() / w.sum()  # noqa: E731
+    mu, mq = mean(u), mean(q)
+    su, sq = mean((u - mu) ** 2).sqrt(), mean((q - mq) ** 2).sqrt()
+    out = (lv - mq) / sq.clamp(min=1e-12) * su + mu
+    return torch.sort(out.clamp(0.0, 1.0))[0].float()
+
+
+def _subsample(n: int, limit: int, seed: int) -> torch.Tensor | None:
+    if n <= limit:
+        return None
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:limit]
+
+
+def fit(acts: Activations, config: KVQuantConfig, fisher: bool = True, use_qnorm: bool = False,
+        max_points: int = 400_000, progress: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The calibration tensors `config` needs, fitted on `acts`."""
+    n_layers = len(acts.keys)
+    specs = config.resolve(n_layers)
+    tensors: dict[str, torch.Tensor] = {}
+    jobs = [(i, kind) for i in range(n_layers) for kind in KINDS if getattr(specs[i], kind).needs_calibration]
+    for i, kind in tqdm(jobs, desc="fitting codebooks/thresholds", disable=not progress):
+        spec: QuantSpec = getattr(specs[i], kind)
+        x_all, f_all = acts.of(kind)
+        x, f = x_all[i], f_all[i]
+        lo = hi = None
+        if spec.outliers > 0:
+            lo, hi = channel_thresholds(x, spec.outliers)
+            tensors[Calibration.key(i, kind, "lo")] = lo
+            tensors[Calibration.key(i, kind, "hi")] = hi
+        if spec.dtype == "nuq":
+            u, keep = normalized(x, spec, config.sink_tokens, lo, hi)
+            w = f if fisher else torch.ones_like(f)
+            u, w = u[keep], w[keep]
+            pick = _subsample(u.numel(), max_points, seed=i)
+            if pick is not None:
+                u, w = u[pick], w[pick]
+            levels = weighted_kmeans_1d(u, w, 2**spec.bits)
+            if use_qnorm:
+                levels = qnorm(levels, u, w)
+            tensors[Calibration.key(i, kind, "codebook")] = levels
+    return tensors
+
+
+# ----------------------------------------------------------------------------- entry points
+def calibrate(model, texts, config: KVQuantConfig, *, tokenizer=None, samples: int = 16, seq_len: int = 512,
+              fisher: bool = True, use_qnorm: bool = False, activations: Activations | None = None,
+              progress: bool = True) -> Calibration:  # fmt: skip
+    """Calibrate `config` on `texts` (a string, a list of strings, or token ids [S, T]).
+
+    Returns a `Calibration`; `.save(path)` writes it. Pass `activations` (from `collect`) to fit
+    several configs on one pass over the model.
+    """
+    from kvq_ao.api import check_model, model_dims
+    from kvq_ao.eval import text_windows
+
+    check_model(model, config)
+    n_layers, kv_heads, head_dim = model_dims(model)
+    if activations is None:
+        if isinstance(texts, torch.Tensor):
+            ids = texts
+        else:
+            tokenizer = tokenizer or getattr(model, "kvq_tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("calibrate: pass token ids or a tokenizer= for text")
+            text = texts if isinstance(texts, str) else "\n\n".join(texts)
+            ids = text_windows(tokenizer, text, samples, seq_len)
+        _check_sample_len(config, n_layers, ids.shape[1])
+        activations = collect(model, ids, config.pre_rope_keys, progress)
+    elif activations.pre_rope != config.pre_rope_keys:
+        raise ValueError("these activations were collected with a different pre_rope_keys setting")
+    tensors = fit(activations, config, fisher=fisher, use_qnorm=use_qnorm, progress=progress)
+    meta = {
+        "kvq_ao_calibration": CALIBRATION_VERSION,
+        "model": {"name": model_key(model), "num_layers": n_layers, "kv_heads": kv_heads, "head_dim": head_dim},
+        "config": config.to_dict(),
+        "fisher_weighted": fisher,
+        "qnorm": use_qnorm,
+        "samples": int(activations.keys[0].shape[0]),
+        "seq_len": int(activations.keys[0].shape[2]),
+        "created": datetime.date.today().isoformat(),
+    }
+    return Calibration(meta, tensors)
+
+
+def _check_sample_len(config: KVQuantConfig, n_layers: int, seq_len: int) -> None:
+    for spec in config.resolve(n_layers):
+        for s in (spec.key, spec.value):
+            if s.needs_calibration and s.axis == "channel" and seq_len % s.group_size:
+                raise ValueError(f"calibration samples of {seq_len} tokens are not whole blocks of {s.group_size}")
+
+
+def model_key(model) -> str:
+    """A file-name-safe identity for a model: its folder name plus its KV shape."""
+    from kvq_ao.api import model_dims
+
+    name = Path(str(getattr(model, "name_or_path", "") or "model")).name or "model"
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    layers, heads, head_dim = model_dims(model)
+    return f"{name}-L{layers}-H{heads}-D{head_dim}"
+
+
+def default_path(model, config: KVQuantConfig) -> Path:
+    from kvq_ao.models import cache_dir
+
+    return cache_dir() / "calibration" / model_key(model) / f"{config.name}.json"
+
+
+def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.stderr)) -> Calibration:
+    """The calibration `config` names ("auto": the user cache, made on first use), checked against the model."""
+    from kvq_ao.api import model_dims
+
+    dims = model_dims(model)
+    if config.calibration not in (None, "auto"):
+        calib = Calibration.load(config.calibration)
+    else:
+        path = default_path(model, config)
+        if path.exists():
+            calib = Calibration.load(path)
+        else:
+            from kvq_ao.models import pydoc_text
+
+            log(f"kvq_ao: no calibration of {config.name!r} for {model_key(model)} yet; calibrating on pydoc "
+                f"calibration text (once; saved to {path})")  # fmt: skip
+            calib = calibrate(model, pydoc_text("calib"), config)
+            calib.save(path)
+            calib = Calibration.load(path)
+    calib.check_model(*dims)
+    calib.check(config, dims[0])
+    return calib

@@ -1,0 +1,80 @@
+"""Non-uniform quantization with a codebook (KVQuant's nuq datatypes, NormalFloat).
+
+Groups are formed exactly as in `kvq_ao.quant.uniform` (per-token groups of channels, or
+per-channel blocks of tokens) and each group is normalized to [0, 1] by its own range:
+u = (x - zero) / scale with zero = group minimum, scale = group range (both stored like the
+uniform metadata). A code is the index of the nearest codebook level; dequantization is
+zero + scale * codebook[code]. The uniform integer grid is the special case level_i = i / (2^b - 1).
+
+Codebooks are sorted float32 levels in [0, 1]: fixed NormalFloat levels (`nf_codebook`) or
+per-layer levels from Fisher-weighted k-means on calibration data (`kvq_ao.calibrate`).
+Nearest-level search is a sum of comparisons against the midpoints (2^b - 1 of them), which is
+pointwise, so inductor fuses it and ONNX/ExecuTorch need no search op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq_ao.quant.packing import pack, unpack
+from kvq_ao.quant.uniform import _grouped, _reduce_dim, check_shape, group_range
+
+CODEBOOK_BITS = (2, 3, 4)
+
+
+def check_codebook(codebook: torch.Tensor, bits: int) -> None:
+    """Raise a clear error unless `codebook` is 2**bits sorted float levels in [0, 1]."""
+    if bits not in CODEBOOK_BITS:
+        raise ValueError(f"codebook datatypes support bits {CODEBOOK_BITS}, got {bits}")
+    if codebook.dim() != 1 or codebook.numel() != 2**bits:
+        raise ValueError(f"a {bits}-bit codebook needs {2**bits} levels, got shape {tuple(codebook.shape)}")
+    if not codebook.is_floating_point():
+        raise ValueError(f"codebook must be floating point, got {codebook.dtype}")
+    if codebook.device.type != "meta":
+        if not bool(torch.isfinite(codebook).all()) or bool((codebook[1:] < codebook[:-1]).any()):
+            raise ValueError("codebook levels must be finite and sorted ascending")
+        if float(codebook.min()) < 0.0 or float(codebook.max()) > 1.0:
+            raise ValueError("codebook levels must lie in [0, 1] (they scale each group's range)")
+
+
+def nf_codebook(bits: int) -> torch.Tensor:
+    """NormalFloat-style levels: equal-probability quantiles of N(0, 1), mapped onto [0, 1].
+
+    As in QLoRA's NF4, the outermost levels are the group's extremes (0 and 1), the rest follow
+    the normal quantiles, so dense Gaussian-looking groups get finer steps near their centre.
+    """
+    if bits not in CODEBOOK_BITS:
+        raise ValueError(f"NormalFloat codebooks support bits {CODEBOOK_BITS}, got {bits}")
+    n = 2**bits
+    probs = torch.linspace(0.5 / n, 1 - 0.5 / n, n, dtype=torch.float64)
+    q = torch.distributions.Normal(0.0, 1.0).icdf(probs)
+    levels = (q - q[0]) / (q[-1] - q[0])
+    return levels.to(torch.float32)
+
+
+def quantize_codebook(x: torch.Tensor, codebook: torch.Tensor, bits: int, axis: int, group: int,
+                      scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [..., T, D] -> (packed codes, scale, zero), scale = group range, zero = group minimum."""
+    *_, t, d = x.shape
+    check_shape(t, d, axis, group)
+    g = _grouped(x.float(), axis, group)
+    dim = _reduce_dim(axis)
+    zero, scale = group_range(g, dim, 1, scale_dtype)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    u = (g - zero) / safe
+    cb = codebook.float()
+    mids = (cb[1:] + cb[:-1]) * 0.5
+    codes = (u.unsqueeze(-1) > mids).sum(-1)
+    codes = codes.reshape(x.shape).to(torch.uint8)
+    return pack(codes, bits), scale.squeeze(dim).to(scale_dtype), zero.squeeze(dim).to(scale_dtype)
+
+
+def dequantize_codebook(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codebook: torch.Tensor,
+                        bits: int, axis: int, group: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """Inverse of `quantize_codebook`: -> [..., T, D] in out_dtype."""
+    codes = unpack(packed, bits)
+    levels = codebook.float()[codes.long()]
+    g = _grouped(levels, axis, group)
+    dim = _reduce_dim(axis)
+    x = g * scale.unsqueeze(dim).float() + zero.unsqueeze(dim).float()
+    return x.reshape(codes.shape).to(out_dtype)

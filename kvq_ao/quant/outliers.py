@@ -1,0 +1,64 @@
+"""Per-vector dense-and-sparse decomposition (KVQuant): a few outlier entries kept exact.
+
+Calibration gives each channel a range [lo, hi] (percentiles of its calibration activations).
+An entry outside its channel's range is an outlier. Each vector (one token of one head, D
+entries) keeps at most `k` outliers exactly, in a sparse side structure of fixed size
+(values [..., k] in the cache dtype, channel indices [..., k] uint8), so static caches and
+exported programs hold it as plain fixed-shape tensors. The dense part is clamped into the
+channel range before it is quantized, so a handful of extreme entries no longer stretch the
+range every other entry is quantized in.
+
+A vector with more than `k` outliers keeps the `k` that stick out furthest (relative to the
+channel range) and the rest stay clamped: bounded memory, no crash, and `split_outliers`
+reports how many entries were clamped that way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+EMPTY_SLOT = 255  # index of an unused outlier slot: matches no channel (head_dim must be < 255)
+
+
+def outlier_slots(fraction: float, head_dim: int) -> int:
+    """Outlier entries kept per vector: ceil(fraction * head_dim), 0 when fraction is 0."""
+    if fraction <= 0:
+        return 0
+    if head_dim >= EMPTY_SLOT:
+        raise ValueError(f"outliers need head_dim < {EMPTY_SLOT} (uint8 channel indices), got {head_dim}")
+    return min(head_dim, math.ceil(fraction * head_dim - 1e-9))
+
+
+def split_outliers(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int):
+    """x [B, H, T, D], channel ranges lo/hi [H, D] -> (dense, values, indices, clamped).
+
+    dense: x clamped into [lo, hi]; values/indices [B, H, T, k]: the kept outliers (value and
+    channel; unused slots have index EMPTY_SLOT and value 0); clamped: int64 count of outlier
+    entries that did not fit in their vector's k slots.
+    """
+    lo4, hi4 = lo.float()[None, :, None, :], hi.float()[None, :, None, :]
+    xf = x.float()
+    width = torch.clamp(hi4 - lo4, min=torch.finfo(torch.float32).tiny)
+    excess = (torch.relu(xf - hi4) + torch.relu(lo4 - xf)) / width
+    dense = torch.minimum(torch.maximum(xf, lo4), hi4)
+    is_outlier = excess > 0
+    top, idx = excess.topk(k, dim=-1)
+    kept = top > 0
+    values = torch.where(kept, x.gather(-1, idx), torch.zeros_like(top, dtype=x.dtype))
+    indices = torch.where(kept, idx, torch.full_like(idx, EMPTY_SLOT)).to(torch.uint8)
+    clamped = is_outlier.sum() - kept.sum()
+    return dense, values, indices, clamped
+
+
+def apply_outliers(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Put the kept outliers back into dense [..., D] (pointwise: one select per slot)."""
+    if values.shape[-1] == 0:
+        return dense
+    channels = torch.arange(dense.shape[-1], device=dense.device)
+    idx = indices.long()
+    vals = values.to(dense.dtype)
+    for j in range(values.shape[-1]):
+        dense = torch.where(channels == idx[..., j : j + 1], vals[..., j : j + 1], dense)
+    return dense
