@@ -1,5 +1,6 @@
 """`kvq`: evaluate, generate with, and demonstrate quantized KV caches from a shell.
 
+    kvq calibrate --model smollm2                 (KVQuant presets' codebooks and thresholds)
     kvq eval --model smollm2 --preset kivi-4 --json
     kvq generate --model smollm2 --preset kivi-2 --prompt "Why is the sky blue?"
     kvq export --format executorch --preset kivi-4 --prompt "Hi!"
@@ -22,14 +23,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--preset", default=None, help="a preset name (see `kvq presets`)")
     group.add_argument("--config", default=None, help="a config JSON file (KVQuantConfig.save)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--calibration", default=None, metavar="PATH",
+                   help="calibration artifact (.json) for nuq/outlier configs; default: the model's in the user cache")
 
 
-def _config(args):
+def _config(args, default: str = "kivi-4"):
+    import dataclasses
+
     from kvq_ao.config import KVQuantConfig
 
-    if args.config:
-        return KVQuantConfig.load(args.config)
-    return KVQuantConfig.preset(args.preset or "kivi-4")
+    config = KVQuantConfig.load(args.config) if args.config else KVQuantConfig.preset(args.preset or default)
+    if getattr(args, "calibration", None):
+        config = dataclasses.replace(config, calibration=args.calibration)
+    return config
 
 
 def _log(msg: str) -> None:
@@ -71,6 +77,44 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvq_ao.calibrate import calibrate, collect, default_path
+    from kvq_ao.config import KVQuantConfig
+    from kvq_ao.eval import text_windows
+    from kvq_ao.models import pydoc_text
+
+    if args.preset or args.config:
+        configs = [_config(args)]
+    else:
+        configs = [KVQuantConfig.preset(n) for n in KVQuantConfig.preset_names() if KVQuantConfig.preset(n).needs_calibration]
+    if args.out and len(configs) > 1:
+        raise ValueError("--out needs a single --preset or --config")
+    model, tokenizer = _load(args)
+    text = Path(args.text_file).read_text(encoding="utf-8") if args.text_file else pydoc_text("calib")
+    ids = text_windows(tokenizer, text, args.samples, args.seq_len)
+    _log(f"calibrating {len(configs)} config(s) on {ids.numel()} tokens of {'your' if args.text_file else 'pydoc calibration'} text")
+    activations = {}
+    table = Table(title="calibrations written")
+    for col in ("config", "codebooks", "threshold sets", "path"):
+        table.add_column(col)
+    for config in configs:
+        if not config.needs_calibration:
+            raise ValueError(f"config {config.name!r} uses no calibrated datatype or outliers: nothing to calibrate")
+        if config.pre_rope_keys not in activations:
+            activations[config.pre_rope_keys] = collect(model, ids, config.pre_rope_keys)
+        calib = calibrate(model, None, config, activations=activations[config.pre_rope_keys],
+                          fisher=not args.unweighted, use_qnorm=args.qnorm)  # fmt: skip
+        path = calib.save(args.out or default_path(model, config))
+        n_cb = sum(k.endswith(".codebook") for k in calib.tensors)
+        n_th = sum(k.endswith(".lo") for k in calib.tensors)
+        table.add_row(config.name, str(n_cb), str(n_th), str(path))
+    Console(width=max(Console().width, 160)).print(table)
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -101,8 +145,14 @@ def cmd_presets(args) -> int:
         cfg = KVQuantConfig.preset(name)
         rep = estimate(cfg, 30, 3, 64, args.tokens)
         k, v = cfg.default.key, cfg.default.value
-        fmt = lambda s: "fp" if not s.is_quantized else f"{s.bits}-bit {s.axis} g{s.group_size}"  # noqa: E731
-        table.add_row(name, fmt(k), fmt(v), str(cfg.sink_tokens), str(cfg.residual_length),
+        def fmt(s):
+            if not s.is_quantized:
+                return "fp"
+            extra = ("" if s.dtype == "int" else f" {s.dtype}") + (f" +{s.outliers:.0%} outliers" if s.outliers else "")
+            return f"{s.bits}-bit {s.axis} g{s.group_size}{extra}"
+
+        rope = " (pre-RoPE keys)" if cfg.pre_rope_keys else ""
+        table.add_row(name + rope, fmt(k), fmt(v), str(cfg.sink_tokens), str(cfg.residual_length),
                       f"{rep.bits_per_element:.2f}", f"{rep.bytes_per_token:.0f}")  # fmt: skip
     Console(width=max(Console().width, 120)).print(table)
     return 0
@@ -223,6 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("calibrate", help="fit codebooks and outlier thresholds (KVQuant) on calibration text")
+    _add_model_args(p)
+    p.add_argument("--out", default=None, help="artifact path (.json + .safetensors); default: the user cache")
+    p.add_argument("--text-file", default=None, help="calibrate on this UTF-8 text instead of pydoc's calibration half")
+    p.add_argument("--samples", type=int, default=16, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--unweighted", action="store_true", help="plain k-means (no Fisher weights), for ablations")
+    p.add_argument("--qnorm", action="store_true", help="Q-Norm: match the dequantized mean/std to the original")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="greedy generation with the quantized cache")
     _add_model_args(p)

@@ -1,0 +1,98 @@
+"""KVQuant on SmolLM2: preset quality and the ablations, on held-out pydoc text.
+
+Calibration uses pydoc's calibration half (16 x 512 tokens); evaluation uses the evaluation half
+(8 windows x 1025 tokens = 8192 predicted tokens, fresh cache per window, chunks of 64), so the
+two never overlap. Presets use the model's calibrations in the user cache (`kvq calibrate`, or
+made here on first use); each ablation changes one thing of `kvquant-B-1pct` and is calibrated
+for itself. Prints a markdown table and writes results/kvquant.json.
+
+    python benchmarks/kvquant_quality.py [--bits 3,2] [--skip-presets] [--skip-ablations]
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from kvq_ao import KVQuantConfig
+from kvq_ao.calibrate import calibrate, collect
+from kvq_ao.config import LayerKV
+from kvq_ao.eval import evaluate, text_windows
+from kvq_ao.models import load_model, pydoc_text
+
+PRESETS = ["kivi-4", "kivi-3", "kivi-2", "kvquant-4", "kvquant-4-1pct", "kvquant-3", "kvquant-3-1pct", "kvquant-2", "kvquant-2-1pct"]
+
+
+def ablations(bits: int) -> list[tuple[str, KVQuantConfig, dict]]:
+    """(label, config, calibrate kwargs): each changes one thing of kvquant-<bits>-1pct."""
+    base = KVQuantConfig.preset(f"kvquant-{bits}-1pct")
+    k, v = base.default.key, base.default.value
+
+    def with_dtype(dtype):
+        return dataclasses.replace(base, default=LayerKV(dataclasses.replace(k, dtype=dtype), dataclasses.replace(v, dtype=dtype)))
+
+    return [
+        ("full (nuq, pre-RoPE, 1% outliers, sink, Fisher)", base, {}),
+        ("uniform int instead of nuq", with_dtype("int"), {}),
+        ("NormalFloat levels instead of nuq", with_dtype("nf"), {}),
+        ("post-RoPE keys", dataclasses.replace(base, pre_rope_keys=False), {}),
+        ("no outliers", KVQuantConfig.preset(f"kvquant-{bits}"), {}),
+        ("no sink token", dataclasses.replace(base, sink_tokens=0), {}),
+        ("unweighted k-means", base, {"fisher": False}),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bits", default="3,2", help="ablation bit widths")
+    parser.add_argument("--skip-presets", action="store_true")
+    parser.add_argument("--skip-ablations", action="store_true")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--window-len", type=int, default=1025)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="results/kvquant.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2")
+    windows = text_windows(tok, pydoc_text("eval"), args.windows, args.window_len)
+    calib_ids = text_windows(tok, pydoc_text("calib"), 16, 512)
+    rows = []
+
+    def run(table: str, label: str, config: KVQuantConfig) -> None:
+        t0 = time.perf_counter()
+        r = evaluate(model, windows, config)
+        row = dict(table=table, label=label, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    if not args.skip_presets:
+        for name in PRESETS:
+            run("presets", name, KVQuantConfig.preset(name))  # calibrates on first use (user cache)
+    if not args.skip_ablations:
+        acts = {}
+        for bits in [int(b) for b in args.bits.split(",")]:
+            for label, config, kwargs in ablations(bits):
+                if config.pre_rope_keys not in acts:
+                    acts[config.pre_rope_keys] = collect(model, calib_ids, config.pre_rope_keys)
+                if config.needs_calibration:
+                    calib = calibrate(model, None, config, activations=acts[config.pre_rope_keys], **kwargs)
+                    path = calib.save(Path("/tmp/kvq-ablation") / f"{bits}-{abs(hash(label))}.json")
+                    config = dataclasses.replace(config, calibration=str(path))
+                run(f"ablation-{bits}bit", label, dataclasses.replace(config, name=f"{bits}bit: {label}"))
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
+    print(f"\nSmolLM2-135M, {windows.shape[0]} x {windows.shape[1]} tokens of held-out pydoc text, fp PPL {rows[0]['ppl_fp']:.3f}")
+    print("| table | config | PPL | ΔPPL | KL | top-1 agree | bits/elem @4096 |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['table']} | {r['label']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
+              f"{r['token_agreement']:.3f} | {r['avg_bits_at_4096']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
