@@ -30,3 +30,27 @@ def smollm2():
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return load_model("smollm2")
+
+
+def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pre_rope: bool = True, sink: int = 1,
+                   key_group: int = 16, value_group: int = 32, model=None, folder=None):  # fmt: skip
+    """A KVQuant-style config calibrated for tiny_llama() on random tokens (saved under `folder`)."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
+    from kvq_ao.calibrate import calibrate
+
+    model = model or tiny_llama()
+    cfg = KVQuantConfig(
+        default=LayerKV(QuantSpec(bits, "channel", key_group, dtype, outliers), QuantSpec(bits, "token", value_group, dtype, outliers)),
+        sink_tokens=sink, pre_rope_keys=pre_rope, name=f"tiny-kvquant-{dtype}{bits}-{outliers}",
+    )  # fmt: skip
+    if not cfg.needs_calibration:
+        return cfg
+    ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+    calib = calibrate(model, ids, cfg, progress=False)
+    folder = Path(folder or tempfile.mkdtemp(prefix="kvq-calib-"))
+    path = calib.save(folder / f"{cfg.name}.json")
+    return dataclasses.replace(cfg, calibration=str(path))

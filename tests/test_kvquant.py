@@ -1,0 +1,272 @@
+"""KVQuant's parts: pre-RoPE keys, codebooks, dense-and-sparse outliers, calibration artifacts."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import kvquant_config, tiny_llama
+from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+from kvq_ao.calibrate import Calibration, calibrate, for_model, qnorm, weighted_kmeans_1d
+from kvq_ao.quant.codebook import dequantize_codebook, nf_codebook, quantize_codebook
+from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers
+from kvq_ao.quant.rope import rotate, unrotate
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+
+from test_ops import ORDER, _case, _quantized
+
+
+# ----------------------------------------------------------------------------- pre-RoPE
+def _hf_rotary(rope_parameters: dict):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64, max_position_embeddings=4096,
+                      rope_parameters=rope_parameters)  # fmt: skip
+    return LlamaRotaryEmbedding(cfg)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
+], ids=lambda r: r["rope_type"])  # fmt: skip
+def test_rotate_matches_transformers_rope_and_unrotate_inverts_it(rope):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rotary = _hf_rotary(rope)
+    x = torch.randn(1, 2, 300, 64)
+    positions = torch.randint(0, 4000, (300,))
+    cos, sin = rotary(x, positions[None])
+    _, want = apply_rotary_pos_emb(x, x, cos, sin)
+    got = rotate(x, positions, rotary.inv_freq, rotary.attention_scaling)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(unrotate(want, positions, rotary.inv_freq, rotary.attention_scaling), x, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), tq=st.sampled_from([1, 3]), bits=st.sampled_from([2, 3, 4]),
+       body_end=st.integers(0, 64), codebook=st.booleans())  # fmt: skip
+def test_dequantize_then_rotate_inside_the_op_equals_attending_rotated_keys(seed, tq, bits, body_end, codebook):
+    """Pre-RoPE codes + rotation in the op == the op on explicitly rotated dequantized keys."""
+    args = list(_case(seed, tq, bits, bits, body_end=body_end, codebook=codebook, pre_rope=True))
+    a = dict(zip(ORDER, args))
+    g = torch.Generator().manual_seed(seed)
+    a["side_pos"] = torch.tensor([0, *torch.randperm(63, generator=g)[:3].add(1).tolist(), -1])  # arbitrary positions
+    out = torch.ops.kvq.attention(*[a[n] for n in ORDER])
+    keys = torch.ops.kvq.dequantize(a["k_codes"], a["k_scale"], a["k_zero"], a["k_codebook"], a["k_out_val"],
+                                    a["k_out_idx"], a["k_bits"], a["k_axis"], a["k_group"], torch.float32)  # fmt: skip
+    t = keys.shape[2]
+    b = dict(a)
+    b["k_codes"] = rotate(keys, torch.arange(t), a["rope_inv_freq"], a["rope_scale"])
+    b["side_k"] = rotate(a["side_k"], a["side_pos"].clamp(min=0), a["rope_inv_freq"], a["rope_scale"])
+    b["k_bits"], b["k_scale"], b["k_zero"], b["k_codebook"] = 0, a["k_scale"][:0], a["k_zero"][:0], torch.zeros(0)
+    b["rope_inv_freq"] = torch.zeros(0)
+    want = torch.ops.kvq.attention(*[b[n] for n in ORDER])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pre_rope_cache_in_full_precision_reproduces_the_model():
+    """Keys un-rotated on the way in and rotated back in attention: the fp model's logits."""
+    model = tiny_llama(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    ids = torch.randint(0, 128, (1, 70))
+    with torch.no_grad():
+        ref = model(ids).logits
+    quantize_kv_(model, dataclasses.replace(KVQuantConfig.preset("fp"), pre_rope_keys=True, sink_tokens=1))
+    for step in (1, 16, 70):
+        cache = make_cache(model)
+        with torch.no_grad():
+            out = torch.cat([model(ids[:, i : i + step], cache=cache).logits for i in range(0, 70, step)], 1)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        keys, _ = cache.layers[0].keys_values()
+        assert keys.pre_rope
+
+
+# ----------------------------------------------------------------------------- codebooks
+def test_nf_codebook_is_sorted_symmetric_and_spans_the_range():
+    for bits in (2, 3, 4):
+        cb = nf_codebook(bits)
+        assert cb.numel() == 2**bits and cb[0] == 0 and cb[-1] == 1
+        assert torch.all(cb[1:] > cb[:-1])
+        torch.testing.assert_close(cb + cb.flip(0), torch.ones_like(cb))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), bits=st.sampled_from([2, 3, 4]), axis=st.sampled_from([AXIS_TOKEN, AXIS_CHANNEL]),
+       group=st.sampled_from([8, 16]))  # fmt: skip
+def test_codebook_quantization_picks_the_nearest_level(seed, bits, axis, group):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 32, 16, generator=g) * torch.rand(1, 3, 1, 16, generator=g).mul(5)
+    cb = torch.sort(torch.rand(2**bits, generator=g))[0]
+    cb[0], cb[-1] = 0.0, 1.0
+    packed, scale, zero = quantize_codebook(x, cb, bits, axis, group)
+    deq = dequantize_codebook(packed, scale, zero, cb, bits, axis, group, torch.float64)
+    # float64 reference: each element's best level under the stored scale/zero
+    rep = (lambda m: m.repeat_interleave(group, -1)) if axis == AXIS_TOKEN else (lambda m: m.repeat_interleave(group, -2))
+    s, z = rep(scale.double()), rep(zero.double())
+    candidates = z.unsqueeze(-1) + s.unsqueeze(-1) * cb.double()  # [..., levels]
+    best = (candidates - x.double().unsqueeze(-1)).abs().amin(-1)
+    err = (deq - x.double()).abs()
+    assert torch.all(err <= best + 1e-5 * (x.abs().max() + 1))
+
+
+def test_weighted_kmeans_finds_known_clusters_and_follows_the_weights():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([0.1, 0.5, 0.9])
+    u = (centres.repeat_interleave(1000) + torch.randn(3000, generator=g) * 0.01).clamp(0, 1)
+    levels = weighted_kmeans_1d(u, torch.ones_like(u), 3)
+    torch.testing.assert_close(levels, centres, atol=2e-3, rtol=0)
+    # one uniform spread with all the weight on its upper part pulls the levels up
+    v = torch.rand(5000, generator=g)
+    plain = weighted_kmeans_1d(v, torch.ones_like(v), 4)
+    heavy = weighted_kmeans_1d(v, torch.where(v > 0.5, 100.0, 1.0), 4)
+    assert heavy.mean() > plain.mean() + 0.1
+
+
+def test_qnorm_matches_mean_and_std():
+    v = torch.rand(10000, generator=torch.Generator().manual_seed(0)) ** 2
+    w = torch.ones_like(v)
+    levels = qnorm(weighted_kmeans_1d(v, w, 4), v, w)
+    q = levels[torch.bucketize(v, (levels[1:] + levels[:-1]) / 2)]
+    assert abs(q.mean() - v.mean()) < 0.01 and abs(q.std() - v.std()) < 0.02
+
+
+# ----------------------------------------------------------------------------- outliers
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 4), heads=st.integers(1, 3), tokens=st.integers(1, 9),
+       d=st.sampled_from([8, 64]), spread=st.floats(0.5, 4.0))  # fmt: skip
+def test_outlier_split_keeps_selected_entries_exactly_and_clamps_the_rest(seed, k, heads, tokens, d, spread):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, heads, tokens, d, generator=g) * spread
+    lo, hi = -torch.ones(heads, d), torch.ones(heads, d)
+    dense, values, indices, clamped = split_outliers(x, lo, hi, k)
+    outside = (x < -1) | (x > 1)
+    kept = indices != EMPTY_SLOT
+    assert kept.sum(-1).le(k).all()
+    # every kept slot holds the exact entry of the channel it names
+    assert torch.equal(values[kept], x.gather(-1, indices.long().clamp(max=d - 1))[kept])
+    # a vector keeps min(k, its outliers) entries; the rest were clamped and counted
+    assert torch.equal(kept.sum(-1), outside.sum(-1).clamp(max=k))
+    assert int(clamped) == int(outside.sum() - kept.sum())
+    assert dense.min() >= -1 and dense.max() <= 1
+    restored = apply_outliers(dense, values, indices)
+    kept_entry = torch.zeros_like(outside)
+    for j in range(k):
+        kept_entry |= torch.arange(d) == indices[..., j : j + 1].long()
+    assert torch.equal(restored, torch.where(kept_entry, x, x.clamp(-1, 1)))  # kept exact, others clamped
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_quantize_op_with_outliers_reproduces_outliers_and_counts_overflow(bits):
+    x = torch.randn(1, 2, 32, 64)
+    x[0, 0, 3, :5] = 50.0  # five outliers in one vector, two slots
+    x[0, 1, 7, 10] = -80.0
+    lo, hi = -3 * torch.ones(2, 64), 3 * torch.ones(2, 64)
+    codes, scale, zero, out_val, out_idx, clamped = torch.ops.kvq.quantize(
+        x, bits, AXIS_TOKEN, 32, torch.float16, nf_codebook(bits), lo, hi, 2
+    )
+    y = torch.ops.kvq.dequantize(codes, scale, zero, nf_codebook(bits), out_val, out_idx, bits, AXIS_TOKEN, 32, torch.float32)
+    assert y[0, 1, 7, 10] == -80.0
+    assert (y[0, 0, 3, :5] == 50.0).sum() == 2 and y[0, 0, 3, :5].max() == 50.0
+    assert int(clamped) >= 3  # the other three 50s (plus any random entry beyond 3 sigma)
+
+
+# ----------------------------------------------------------------------------- calibration artifacts
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    cfg = kvquant_config(bits=3, outliers=0.02, folder=tmp_path_factory.mktemp("calib"))
+    return cfg, Calibration.load(cfg.calibration)
+
+
+def test_calibration_round_trip_is_bit_identical(artifact, tmp_path):
+    cfg, calib = artifact
+    again = Calibration.load(calib.save(tmp_path / "copy.json"))
+    assert calib.tensors.keys() == again.tensors.keys() and len(calib.tensors) == 2 * 2 * 3  # 2 layers x K/V x (codebook, lo, hi)
+    for name, t in calib.tensors.items():
+        assert torch.equal(t, again.tensors[name]) and t.dtype == again.tensors[name].dtype, name
+    assert again.meta["config"] == cfg.to_dict() | {"calibration": None}
+
+
+def test_calibration_for_another_model_is_rejected(artifact):
+    cfg, _ = artifact
+    for other, what in ((tiny_llama(layers=3), "3 layers"), (tiny_llama(head_dim=32), "head_dim 32")):
+        with pytest.raises(ValueError, match=f"not for this model.*{what}"):
+            for_model(other, cfg)
+
+
+def test_calibration_for_another_config_is_rejected(artifact):
+    cfg, _ = artifact
+    other = dataclasses.replace(cfg, sink_tokens=0)
+    with pytest.raises(ValueError, match="was made for config"):
+        for_model(tiny_llama(), other)
+
+
+def test_corrupt_or_truncated_calibration_is_rejected(artifact, tmp_path):
+    cfg, calib = artifact
+    path = calib.save(tmp_path / "c.json")
+    tensors = path.with_suffix(".safetensors")
+    data = tensors.read_bytes()
+    tensors.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        Calibration.load(path)
+    tensors.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        Calibration.load(path)
+    path.write_text(path.read_text()[:40])
+    with pytest.raises(ValueError, match="corrupt calibration metadata"):
+        Calibration.load(path)
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not a kvq_ao calibration"):
+        Calibration.load(path)
+
+
+def test_a_config_that_needs_calibration_says_so():
+    cfg = dataclasses.replace(kvquant_config(bits=3, outliers=0.02, dtype="int"), calibration=None)
+    from kvq_ao.cache import QuantizedKVCache
+
+    with pytest.raises(ValueError, match="pass calibration="):
+        QuantizedKVCache(cfg, 2)
+    with pytest.raises(ValueError, match="needs a tokenizer|pass token ids"):
+        calibrate(tiny_llama(), "some text", cfg)
+
+
+# ----------------------------------------------------------------------------- through the cache
+@pytest.mark.parametrize("dtype, outliers", [("nuq", 0.02), ("nf", 0.0), ("int", 0.02)])
+def test_static_one_token_path_equals_dynamic_path_with_kvquant_datatypes(dtype, outliers):
+    model = tiny_llama()
+    cfg = kvquant_config(bits=3, outliers=outliers, dtype=dtype)
+    quantize_kv_(model, cfg)
+    ids = torch.randint(0, 128, (1, 120))
+    dyn, static = make_cache(model), make_cache(model, max_cache_len=128)
+    with torch.no_grad():
+        a = torch.cat([model(ids[:, i : i + 1], cache=dyn).logits for i in range(120)], 1)
+        b = torch.cat([model(ids[:, i : i + 1], cache=static).logits for i in range(120)], 1)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for x, y in zip(dyn.layers, static.layers):
+        assert int(x.body_end) == int(y.body_end) > 0
+        for p, q in zip(x.k_body.tensors() + x.k_body.sparse() + x.v_body.sparse(), y.k_body.tensors() + y.k_body.sparse() + y.v_body.sparse()):
+            assert torch.equal(p[:, :, : q.shape[2]], q)
+    assert dyn.clamped_outliers == static.clamped_outliers
+
+
+def test_kvquant_cache_is_closer_to_fp_with_more_bits_and_memory_formula_holds():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 256))
+    with torch.no_grad():
+        ref = model(ids).logits
+    errors = {}
+    for bits in (2, 4):
+        cfg = kvquant_config(bits=bits, outliers=0.02)
+        quantize_kv_(model, cfg)
+        cache = make_cache(model)
+        with torch.no_grad():
+            out = torch.cat([model(ids[:, i : i + 64], cache=cache).logits for i in range(0, 256, 64)], 1)
+        errors[bits] = (out - ref).abs().max().item()
+        held, report = cache.tensor_bytes(), cache.memory_report()
+        assert abs(report.bytes - held) / held < 0.01
+    assert 0 < errors[4] < errors[2]
