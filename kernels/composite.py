@@ -22,7 +22,7 @@ import torch
 
 from kvq_ao.quant.codebook import dequantize_codebook, quantize_codebook
 from kvq_ao.quant.outliers import apply_outliers, split_outliers
-from kvq_ao.quant.rope import rotate
+from kvq_ao.quant.rope import rotate, rotated_scores
 from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
 
 
@@ -104,8 +104,8 @@ def attention(
     v = dequantize(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, v_bits, v_axis, v_group, torch.float32)
     hkv, t = k.shape[1], k.shape[2]
     sk, sv = side_k.float(), side_v.float()
-    if rope_inv_freq.numel() > 0:  # pre-RoPE keys: rotate each at its own position
-        k = rotate(k, torch.arange(t, device=k.device), rope_inv_freq, rope_scale)
+    pre_rope = rope_inv_freq.numel() > 0  # keys stored before RoPE: rotate each at its own position
+    if pre_rope:
         sk = rotate(sk, side_pos.clamp(min=0), rope_inv_freq, rope_scale)
     n = hq // hkv
     body_mask, side_mask = _masks(mask, side_pos, body_start, body_end, t)
@@ -114,7 +114,10 @@ def attention(
         # Pointwise + reductions: inductor fuses unpack, dequantize, scores, softmax and the
         # weighted sum into one loop without a [T, D] float buffer (SDPA would need one).
         qv = qf[:, :, :, 0, :]
-        s_body = (qv.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, T]
+        if pre_rope:
+            s_body = rotated_scores(qv, k, torch.arange(t, device=k.device), rope_inv_freq, rope_scale) * scaling
+        else:
+            s_body = (qv.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, T]
         s_side = (qv.unsqueeze(3) * sk.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, S]
         # mask heads: 1 (shared) or Hq -> broadcast against [B, Hkv, n, positions]
         heads = (hkv, n) if body_mask.shape[1] > 1 else (1, 1)
@@ -129,6 +132,8 @@ def attention(
         p_body, p_side = p[..., :t], p[..., t:]
         out = (p_body.unsqueeze(-1) * v.unsqueeze(2)).sum(-2) + (p_side.unsqueeze(-1) * sv.unsqueeze(2)).sum(-2)
         return out.reshape(b, hq, 1, -1).to(q.dtype)
+    if pre_rope:
+        k = rotate(k, torch.arange(t, device=k.device), rope_inv_freq, rope_scale)
     keys = torch.cat([k, sk], dim=2)
     values = torch.cat([v, sv], dim=2)
     full_mask = torch.cat([body_mask, side_mask], dim=-1)

@@ -6,18 +6,21 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from conftest import tiny_llama
+from conftest import kvquant_config, tiny_llama
 from kvq_ao import KVQuantConfig, quantize_kv_
 from kvq_ao.api import compile_config
 from kvq_ao.ops import enable_inductor_fusion
 from test_ops import _case, _reference
 
 
-@pytest.mark.parametrize("bits", [(4, 4), (2, 3)])
-def test_compiled_decode_attention_is_fused_without_float_kv_buffer(bits):
+@pytest.mark.parametrize("bits, codebook", [((4, 4), False), ((2, 3), False), ((3, 3), True)])
+def test_compiled_decode_attention_is_fused_without_float_kv_buffer(bits, codebook):
+    """Uniform and codebook (nf/nuq) levels fuse. Outlier slots and pre-RoPE keys do not yet:
+    inductor realizes the step's dequantized keys [T, D] (a temporary, the cache stays packed)."""
     enable_inductor_fusion()
     t, d = 512, 64
-    args = _case(0, 1, *bits, t=t, d=d)
+    extra = dict(codebook=True) if codebook else {}
+    args = _case(0, 1, *bits, t=t, d=d, **extra)
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)
     out, codes = run_and_get_code(compiled, *args)
@@ -31,9 +34,11 @@ def test_compiled_decode_attention_is_fused_without_float_kv_buffer(bits):
     assert "torch.ops.kvq.attention(" not in code  # traced and fused, not an extern call
 
 
-def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles():
+@pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct"])
+def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
     model = tiny_llama(seed=3)
-    quantize_kv_(model, KVQuantConfig.preset("kivi-2"))
+    cfg = KVQuantConfig.preset("kivi-2") if kind == "kivi-2" else kvquant_config(bits=3, outliers=0.02, model=model)
+    quantize_kv_(model, cfg)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (1, n), generator=g) for n in (40, 27)]
 

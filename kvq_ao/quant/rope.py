@@ -21,6 +21,23 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Ten
     return emb.cos(), emb.sin()
 
 
+def rotated_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                   scaling: float) -> torch.Tensor:  # fmt: skip
+    """q [..., n, D] . rotate(k [..., T, D]) -> [..., n, T], without forming the rotated keys.
+
+    With halves q = (q1, q2), k = (k1, k2) and per-frequency angles: q . R k =
+    sum_j k1_j (cos_j q1_j + sin_j q2_j) + k2_j (cos_j q2_j - sin_j q1_j), i.e. the query turned
+    back by each key's angle. Each half of k is read once and nothing is concatenated, so
+    inductor keeps unpack, dequantize and rotation in one loop without a float [T, D] buffer.
+    """
+    half = k.shape[-1] // 2
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+    q1, q2 = q[..., :half].unsqueeze(-2), q[..., half:].unsqueeze(-2)  # [..., n, 1, D/2]
+    k1, k2 = k[..., :half].unsqueeze(-3), k[..., half:].unsqueeze(-3)  # [..., 1, T, D/2]
+    return (k1 * (cos * q1 + sin * q2) + k2 * (cos * q2 - sin * q1)).sum(-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
