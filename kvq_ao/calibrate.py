@@ -227,13 +227,23 @@ def collect(model, ids: torch.Tensor, pre_rope: bool, progress: bool = True) -> 
 
 
 # ----------------------------------------------------------------------------- fitting
+THRESHOLD_MARGIN = 1e-4
+
+
 def channel_thresholds(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [S, H, T, D] -> per-channel (lo, hi) [H, D] at the (f/2, 1 - f/2) quantiles."""
+    """x [S, H, T, D] -> per-channel (lo, hi) [H, D] at the (f/2, 1 - f/2) quantiles.
+
+    Each threshold is moved outward by 1e-4 of its channel's range: a quantile is often a real
+    activation (layer-0 pre-RoPE keys depend only on the token id, so frequent tokens repeat
+    exact values), and an entry sitting exactly on a threshold would flip between outlier and
+    dense on a 1-ulp difference between runtimes (seen: ONNX/ExecuTorch vs eager).
+    """
     h, d = x.shape[1], x.shape[3]
     flat = x.permute(1, 3, 0, 2).reshape(h * d, -1)
     q = torch.tensor([fraction / 2, 1 - fraction / 2], dtype=torch.float32)
-    lo_hi = torch.quantile(flat, q, dim=1)  # [2, H*D]
-    return lo_hi[0].reshape(h, d).contiguous(), lo_hi[1].reshape(h, d).contiguous()
+    lo, hi = torch.quantile(flat, q, dim=1)  # [H*D] each
+    margin = THRESHOLD_MARGIN * (hi - lo).clamp(min=torch.finfo(torch.float32).tiny)
+    return (lo - margin).reshape(h, d).contiguous(), (hi + margin).reshape(h, d).contiguous()
 
 
 def normalized(x: torch.Tensor, spec: QuantSpec, sink: int, lo: torch.Tensor | None, hi: torch.Tensor | None):
