@@ -6,7 +6,7 @@ two never overlap. Presets use the model's calibrations in the user cache (`kvq 
 made here on first use); each ablation changes one thing of `kvquant-B-1pct` and is calibrated
 for itself. Prints a markdown table and writes results/kvquant.json.
 
-    python benchmarks/kvquant_quality.py [--bits 3,2] [--skip-presets] [--skip-ablations]
+    python benchmarks/kvquant_quality.py [--bits 3,2] [--presets a,b] [--skip-ablations]
 """
 
 import argparse
@@ -35,12 +35,12 @@ def ablations(bits: int) -> list[tuple[str, KVQuantConfig, dict]]:
     def with_dtype(dtype):
         return dataclasses.replace(base, default=LayerKV(dataclasses.replace(k, dtype=dtype), dataclasses.replace(v, dtype=dtype)))
 
+    # The full config and "no outliers" are the presets kvquant-<bits>-1pct and kvquant-<bits>
+    # (rows of the preset table, not re-run).
     return [
-        ("full (nuq, pre-RoPE, 1% outliers, sink, Fisher)", base, {}),
         ("uniform int instead of nuq", with_dtype("int"), {}),
         ("NormalFloat levels instead of nuq", with_dtype("nf"), {}),
         ("post-RoPE keys", dataclasses.replace(base, pre_rope_keys=False), {}),
-        ("no outliers", KVQuantConfig.preset(f"kvquant-{bits}"), {}),
         ("no sink token", dataclasses.replace(base, sink_tokens=0), {}),
         ("unweighted k-means", base, {"fisher": False}),
     ]
@@ -49,7 +49,7 @@ def ablations(bits: int) -> list[tuple[str, KVQuantConfig, dict]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bits", default="3,2", help="ablation bit widths")
-    parser.add_argument("--skip-presets", action="store_true")
+    parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--skip-ablations", action="store_true")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window-len", type=int, default=1025)
@@ -69,9 +69,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    if not args.skip_presets:
-        for name in PRESETS:
-            run("presets", name, KVQuantConfig.preset(name))  # calibrates on first use (user cache)
+    for name in [p for p in args.presets.split(",") if p]:
+        run("presets", name, KVQuantConfig.preset(name))  # calibrates on first use (user cache)
     if not args.skip_ablations:
         acts = {}
         for bits in [int(b) for b in args.bits.split(",")]:
