@@ -202,9 +202,10 @@ def collect(model, ids: torch.Tensor, pre_rope: bool, progress: bool = True) -> 
             p.requires_grad_(False)
         for s in tqdm(range(ids.shape[0]), desc="calibration forward/backward", disable=not progress):
             x = ids[s : s + 1]
-            logits = model(input_ids=x, use_cache=False).logits
-            loss = F.cross_entropy(logits[0, :-1].float(), x[0, 1:])
-            loss.backward()
+            with torch.enable_grad():  # calibration may be triggered from inside no_grad (eval, generate)
+                logits = model(input_ids=x, use_cache=False).logits
+                loss = F.cross_entropy(logits[0, :-1].float(), x[0, 1:])
+                loss.backward()
             for (i, kind), leaf in leaves.items():
                 t = x.shape[1]
                 a = leaf.detach().reshape(1, t, -1, head_dim).transpose(1, 2)[0].float()  # [H, T, D]

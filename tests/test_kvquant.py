@@ -270,3 +270,30 @@ def test_kvquant_cache_is_closer_to_fp_with_more_bits_and_memory_formula_holds()
         held, report = cache.tensor_bytes(), cache.memory_report()
         assert abs(report.bytes - held) / held < 0.01
     assert 0 < errors[4] < errors[2]
+
+
+def test_auto_calibration_is_made_on_first_use_under_no_grad_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVQ_AO_CACHE", str(tmp_path))
+    model = tiny_llama()
+    model.kvq_tokenizer = _WordTokenizer()
+    cfg = dataclasses.replace(kvquant_config(bits=3, outliers=0.02, model=model), calibration="auto", name="tiny-auto")
+    quantize_kv_(model, cfg)
+    messages = []
+    monkeypatch.setattr("kvq_ao.calibrate.sys.stderr", type("W", (), {"write": lambda self, m: messages.append(m), "flush": lambda self: None})())
+    with torch.no_grad():  # as in evaluate() and generate()
+        make_cache(model)
+    written = list(tmp_path.rglob("tiny-auto.json"))
+    assert len(written) == 1 and any("calibrating" in m for m in messages)
+    messages.clear()
+    other = tiny_llama()  # a fresh model object: found on disk, not recalibrated
+    quantize_kv_(other, cfg)
+    make_cache(other)
+    assert not any("calibrating" in m for m in messages)
+
+
+class _WordTokenizer:
+    """Enough of a tokenizer for calibration text: hashes words into the tiny vocabulary."""
+
+    def __call__(self, text, return_tensors=None):
+        ids = torch.tensor([[hash(w) % 125 + 3 for w in text.split()]])
+        return type("Enc", (), {"input_ids": ids})()
