@@ -1,0 +1,78 @@
+"""Multi-objective search over per-group (key, value) bit pairs: average bits vs loss.
+
+Exhaustive when the reduced space is small (every assignment measured, the exact Pareto front);
+otherwise optuna's NSGA-II with a fixed seed and trial budget. The caller's `evaluate` maps one
+assignment (a pair per group) to its loss; average bits are computed from the pairs and the
+number of layers in each group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvq_ao.tune.pareto import Pair, pair_bits, pareto_front
+
+
+@dataclass
+class SearchResult:
+    assignment: tuple[Pair, ...]  # one pair per group
+    avg_bits: float
+    loss: float
+
+
+def average_bits(assignment: Sequence[Pair], group_sizes: Sequence[int]) -> float:
+    return sum(pair_bits(p) * n for p, n in zip(assignment, group_sizes)) / sum(group_sizes)
+
+
+def search(candidates: Sequence[Sequence[Pair]], group_sizes: Sequence[int], evaluate: Callable[[tuple[Pair, ...]], float],
+           max_avg_bits: float | None = None, exhaustive_limit: int = 256, trials: int = 64, seed: int = 0,
+           progress: bool = False) -> list[SearchResult]:  # fmt: skip
+    """The Pareto front (avg bits, loss) of measured assignments within the bit budget, cheapest first."""
+    if len(candidates) != len(group_sizes) or not candidates:
+        raise ValueError("need one candidate list per group")
+    cheapest = average_bits([min(c, key=pair_bits) for c in candidates], group_sizes)
+    dearest = average_bits([max(c, key=pair_bits) for c in candidates], group_sizes)
+    if max_avg_bits is not None:
+        if max_avg_bits < cheapest:
+            raise ValueError(f"budget {max_avg_bits} average bits is below the cheapest assignment ({cheapest:.3f})")
+        if max_avg_bits > dearest:
+            raise ValueError(f"budget {max_avg_bits} average bits is above the most expensive assignment "
+                             f"({dearest:.3f}): nothing to trade off, use that assignment")  # fmt: skip
+    measured: dict[tuple[Pair, ...], float] = {}
+
+    def measure(assignment: tuple[Pair, ...]) -> float:
+        if assignment not in measured:
+            measured[assignment] = float(evaluate(assignment))
+        return measured[assignment]
+
+    budget_ok = lambda a: max_avg_bits is None or average_bits(a, group_sizes) <= max_avg_bits + 1e-9  # noqa: E731
+    space = math.prod(len(c) for c in candidates)
+    if space <= exhaustive_limit:
+        for assignment in itertools.product(*candidates):
+            if budget_ok(assignment):
+                measure(tuple(assignment))
+    else:
+        _nsga2(candidates, group_sizes, measure, budget_ok, trials, seed, progress)
+    results = [SearchResult(a, average_bits(a, group_sizes), loss) for a, loss in measured.items() if budget_ok(a)]
+    front = pareto_front([(r.avg_bits, r.loss) for r in results])
+    return [results[i] for i in front]
+
+
+def _nsga2(candidates, group_sizes, measure, budget_ok, trials: int, seed: int, progress: bool) -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.NSGAIISampler(seed=seed, population_size=min(16, max(4, trials // 4)))
+    study = optuna.create_study(directions=["minimize", "minimize"], sampler=sampler)
+
+    def objective(trial):
+        assignment = tuple(candidates[g][trial.suggest_int(f"g{g}", 0, len(candidates[g]) - 1)] for g in range(len(candidates)))
+        bits = average_bits(assignment, group_sizes)
+        if not budget_ok(assignment):  # over budget: not measured, dominated by construction
+            return bits, float("inf")
+        return bits, measure(assignment)
+
+    study.optimize(objective, n_trials=trials, show_progress_bar=progress)

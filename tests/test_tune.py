@@ -1,0 +1,85 @@
+"""KVTuner's pieces on their own: Pareto pruning, layer clustering, the search."""
+
+import numpy as np
+import pytest
+
+from kvq_ao.tune import CANDIDATES, cluster_layers, pair_bits, pareto_front, prune, search
+from kvq_ao.tune.cluster import group_candidates
+
+
+def test_pareto_front_on_hand_made_points():
+    pts = [(2, 0.5), (3, 0.5), (3, 0.2), (4, 0.3), (5, 0.1), (2, 0.6), (5, 0.1)]
+    # (3, 0.5) and (4, 0.3) are dominated, (2, 0.6) too, the duplicate (5, 0.1) keeps the first
+    assert pareto_front(pts) == [0, 2, 4]
+
+
+def test_prune_keeps_the_cheapest_pair_per_error_level():
+    errors = {(2, 2): 0.30, (2, 4): 0.28, (4, 2): 0.10, (2, 8): 0.27, (4, 4): 0.05, (8, 2): 0.09,
+              (4, 8): 0.05, (8, 4): 0.02, (8, 8): 0.02}  # fmt: skip
+    # keys matter more: K4V2 beats K2V4 at the same bits; K4V8 is no better than K4V4; K8V8 no better than K8V4
+    assert prune(errors) == [(2, 2), (4, 2), (4, 4), (8, 4)]
+
+
+def test_unknown_pair_is_rejected():
+    with pytest.raises(ValueError, match="unknown candidate pair \\(3, 4\\)"):
+        prune({(3, 4): 0.1})
+    with pytest.raises(ValueError, match="unknown candidate pair"):
+        pair_bits((16, 2))
+
+
+def test_clustering_recovers_synthetic_groups():
+    rng = np.random.default_rng(0)
+    levels = np.array([1e-3, 1e-2, 1e-1])
+    truth = rng.integers(0, 3, size=30)
+    shape = np.linspace(1.0, 0.1, len(CANDIDATES))  # error falls with bits
+    profiles = levels[truth, None] * shape[None, :] * np.exp(rng.normal(0, 0.05, (30, len(CANDIDATES))))
+    groups = cluster_layers(profiles, 3)
+    # same partition as the truth, up to the group numbering
+    mapping = {}
+    for g, t in zip(groups, truth):
+        assert mapping.setdefault(g, t) == t
+    assert groups[0] == 0 and len(set(groups)) == 3
+    with pytest.raises(ValueError, match="n_groups must be in"):
+        cluster_layers(profiles, 31)
+    with pytest.raises(ValueError, match="finite positive"):
+        cluster_layers(-profiles, 2)
+
+
+def test_group_candidates_are_unions_of_pareto_sets():
+    pruned = [[(2, 2), (4, 4)], [(4, 2)], [(8, 8)]]
+    assert group_candidates([0, 0, 1], pruned) == [[(2, 2), (4, 2), (4, 4)], [(8, 8)]]
+
+
+def _synthetic_loss(assignment):
+    """Loss falls with bits, keys count 4x values, group 1 is 10x as sensitive as group 0."""
+    weights = (1.0, 10.0, 1.0)
+    return sum(w * (4 * 2.0 ** -k + 2.0 ** -v) for w, (k, v) in zip(weights, assignment))
+
+
+@pytest.mark.parametrize("exhaustive_limit", [10_000, 1])  # exhaustive, then NSGA-II
+def test_search_finds_the_known_optimum_under_a_budget(exhaustive_limit):
+    candidates = [list(CANDIDATES)] * 3
+    sizes = [10, 10, 10]
+    front = search(candidates, sizes, _synthetic_loss, max_avg_bits=4.0, exhaustive_limit=exhaustive_limit, trials=300)
+    assert all(r.avg_bits <= 4.0 for r in front)
+    best = min(front, key=lambda r: r.loss)
+    # the optimum at <= 4 average bits, found by brute force over all 729 assignments
+    import itertools
+
+    from kvq_ao.tune.search import average_bits
+
+    feasible = [a for a in itertools.product(CANDIDATES, repeat=3) if average_bits(a, sizes) <= 4.0]
+    optimum = min(_synthetic_loss(a) for a in feasible)
+    if exhaustive_limit > 729:
+        assert best.loss == optimum
+    else:
+        assert best.loss <= optimum * 1.25  # NSGA-II with 300 trials gets close
+    assert best.assignment[1][0] >= best.assignment[0][0]  # the sensitive group gets at least as many key bits
+
+
+def test_budget_outside_the_candidates_is_a_clear_error():
+    candidates, sizes = [[(2, 2), (8, 8)]] * 2, [5, 5]
+    with pytest.raises(ValueError, match="below the cheapest"):
+        search(candidates, sizes, _synthetic_loss, max_avg_bits=1.5)
+    with pytest.raises(ValueError, match="above the most expensive"):
+        search(candidates, sizes, _synthetic_loss, max_avg_bits=9.0)
