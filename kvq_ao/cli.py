@@ -115,6 +115,40 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvq_ao.calibrate import model_key
+    from kvq_ao.eval import text_windows
+    from kvq_ao.models import cache_dir, pydoc_text
+    from kvq_ao.tune.profile import base_config
+    from kvq_ao.tune.tuner import summary_rows, tune, write_front
+
+    model, tokenizer = _load(args)
+    ids = text_windows(tokenizer, pydoc_text("calib"), args.samples, args.seq_len)
+    base = base_config(residual_length=args.residual, group_size=args.group)
+    profile_path = Path(args.profile) if args.profile else (
+        cache_dir() / "tune" / f"{model_key(model)}-r{args.residual}-g{args.group}-{ids.shape[0]}x{ids.shape[1]}.json")
+    result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
+                  trials=args.trials, log=_log)  # fmt: skip
+    out = Path(args.out)
+    result.config.save(out)
+    write_front(result, out.with_suffix(".pareto.csv"), out.with_suffix(".pareto.png"))
+    console = Console(width=max(Console().width, 120))
+    table = Table(title=f"{result.config.name}: {result.chosen.avg_bits:.2f} average bits, calibration KL {result.chosen.loss:.4g}")
+    for col in ("layer", "group", "pair", "profiled KL (this layer alone)"):
+        table.add_column(col)
+    for row in summary_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    uniform = ", ".join(f"K{p[0]}V{p[1]} {loss:.4g}" for p, loss in result.uniform)
+    console.print(f"uniform assignments' calibration KL: {uniform}")
+    console.print(f"profile {result.profile_seconds:.0f} s ({profile_path}), search {result.search_seconds:.0f} s; "
+                  f"wrote {out}, {out.with_suffix('.pareto.csv')}, {out.with_suffix('.pareto.png')}")  # fmt: skip
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -283,6 +317,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unweighted", action="store_true", help="plain k-means (no Fisher weights), for ablations")
     p.add_argument("--qnorm", action="store_true", help="Q-Norm: match the dequantized mean/std to the original")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("tune", help="KVTuner: per-layer (key, value) bits under an average-bit budget")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (packaged), a transformers folder, or a .gguf file")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--max-avg-bits", type=float, required=True, help="budget: mean of (key + value bits) / 2 over layers")
+    p.add_argument("--out", default="tuned.json", help="the chosen config (.json); the Pareto CSV/PNG go beside it")
+    p.add_argument("--groups", type=int, default=6, help="layer groups searched over")
+    p.add_argument("--trials", type=int, default=96, help="NSGA-II trials when the reduced space is large")
+    p.add_argument("--samples", type=int, default=2, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--residual", type=int, default=128, help="full-precision window shared by all layers (KIVI's)")
+    p.add_argument("--group", type=int, default=32, help="quantization group size")
+    p.add_argument("--profile", default=None, help="layer profile cache (.json); default: the user cache")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("generate", help="greedy generation with the quantized cache")
     _add_model_args(p)

@@ -83,3 +83,42 @@ def test_budget_outside_the_candidates_is_a_clear_error():
         search(candidates, sizes, _synthetic_loss, max_avg_bits=1.5)
     with pytest.raises(ValueError, match="above the most expensive"):
         search(candidates, sizes, _synthetic_loss, max_avg_bits=9.0)
+
+
+# ----------------------------------------------------------------------------- on a tiny model
+def test_tune_a_tiny_model_end_to_end_and_reuse_the_profile(tmp_path):
+    import torch
+
+    from conftest import tiny_llama
+    from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+    from kvq_ao.tune.profile import LayerProfile, base_config
+    from kvq_ao.tune.tuner import tune, write_front
+
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(0))
+    base = base_config(residual_length=8, group_size=16)
+    logs = []
+    prof_path = tmp_path / "profile.json"
+    result = tune(model, ids, max_avg_bits=4.0, n_groups=2, base=base, profile_path=prof_path, progress=False, log=logs.append)
+    prof = result.profile
+    assert prof.kl.shape == (2, 9) and prof.attn_error.shape == (2, 9) and (prof.kl > 0).all()
+    # more bits never cost more attention error, per layer, for keys and values alike
+    for layer in range(2):
+        assert prof.attn_error[layer, prof.column((8, 8))] < prof.attn_error[layer, prof.column((2, 2))]
+    assert result.chosen.avg_bits <= 4.0 and result.chosen in result.front
+    result.config.save(tmp_path / "tuned.json")
+    cfg = KVQuantConfig.load(tmp_path / "tuned.json")
+    assert len(cfg.layers) == 2
+    quantize_kv_(model, cfg)
+    with torch.no_grad():
+        model(ids, cache=make_cache(model))
+    write_front(result, tmp_path / "front.csv", tmp_path / "front.png")
+    assert (tmp_path / "front.png").stat().st_size > 1000
+    assert (tmp_path / "front.csv").read_text().count("uniform") == 9
+    again = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, profile_path=prof_path, progress=False, log=logs.append)
+    assert any("reusing" in m for m in logs) and again.chosen.avg_bits <= 3.0
+    with pytest.raises(ValueError, match="not for"):
+        tune(tiny_llama(layers=3), ids, max_avg_bits=3.0, base=base, profile_path=prof_path, progress=False)
+    with pytest.raises(ValueError, match="invalid layer profile"):
+        (tmp_path / "bad.json").write_text("{}")
+        LayerProfile.load(tmp_path / "bad.json")

@@ -1,0 +1,169 @@
+"""Per-layer sensitivity of a model's KV cache to each (key bits, value bits) pair.
+
+For every layer and candidate pair, the model runs once over calibration tokens with only that
+layer quantized (through the real cache and `kvq.attention`), and two signals are recorded:
+* the relative attention-output error ||o_q - o|| / ||o|| of that layer (KVTuner's signal;
+  layers before it are untouched, so its inputs are exactly the fp ones);
+* the KL divergence of the next-token distribution from the fp model's (the end-to-end cost).
+A profile is saved as JSON with the model's identity and the base config, and reused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kvq_ao.config import FP, KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.tune.pareto import CANDIDATES, Pair, check_pair
+
+PROFILE_VERSION = 1
+
+
+def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: int = 32) -> KVQuantConfig:
+    """What every tuned layer shares: KIVI's axes and window (the uniform presets' layout)."""
+    return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens,
+                         default=LayerKV(QuantSpec(8, "channel", group_size), QuantSpec(8, "token", group_size)),
+                         name="tune-base")  # fmt: skip
+
+
+def layer_spec(pair: Pair, base: KVQuantConfig) -> LayerKV:
+    check_pair(pair)
+    k, v = base.default.key, base.default.value
+    return LayerKV(QuantSpec(pair[0], k.axis, k.group_size), QuantSpec(pair[1], v.axis, v.group_size))
+
+
+def assignment_config(pairs: list[Pair], base: KVQuantConfig, name: str = "tuned") -> KVQuantConfig:
+    """A per-layer config from one pair per layer."""
+    return base.with_layers([layer_spec(p, base) for p in pairs], name=name)
+
+
+@dataclass
+class LayerProfile:
+    model: dict
+    base: dict
+    candidates: list[Pair]
+    attn_error: np.ndarray  # [layers, candidates]
+    kl: np.ndarray  # [layers, candidates]
+    tokens: int
+    meta: dict = field(default_factory=dict)
+
+    def column(self, pair: Pair) -> int:
+        return self.candidates.index(tuple(pair))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = dict(kvq_ao_profile=PROFILE_VERSION, model=self.model, base=self.base, candidates=[list(p) for p in self.candidates],
+                    attn_error=self.attn_error.tolist(), kl=self.kl.tolist(), tokens=self.tokens, meta=self.meta)  # fmt: skip
+        path.write_text(json.dumps(data) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LayerProfile:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+            if d.get("kvq_ao_profile") != PROFILE_VERSION:
+                raise ValueError("not a kvq_ao layer profile (version 1)")
+            cands = [tuple(p) for p in d["candidates"]]
+            attn, kl = np.asarray(d["attn_error"], dtype=np.float64), np.asarray(d["kl"], dtype=np.float64)
+            if attn.shape != (d["model"]["num_layers"], len(cands)) or kl.shape != attn.shape:
+                raise ValueError("table shapes do not match the model's layers and the candidates")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: invalid layer profile ({e})") from None
+        return cls(d["model"], d["base"], cands, attn, kl, d["tokens"], d.get("meta", {}))
+
+    def check_model(self, model) -> None:
+        from kvq_ao.calibrate import model_key
+
+        want = _model_identity(model)
+        if self.model != want:
+            raise ValueError(f"this profile was made for {self.model['name']} ({self.model['num_layers']} layers, "
+                             f"{self.model['kv_heads']} KV heads, head_dim {self.model['head_dim']}), not for "
+                             f"{model_key(model)}; profile this model (kvq tune without --profile)")  # fmt: skip
+
+
+def _model_identity(model) -> dict:
+    from kvq_ao.api import model_dims
+    from kvq_ao.calibrate import model_key
+
+    layers, heads, head_dim = model_dims(model)
+    return {"name": model_key(model), "num_layers": layers, "kv_heads": heads, "head_dim": head_dim}
+
+
+def _attention_outputs(model, capture: dict[int, list[torch.Tensor]]):
+    """Hooks appending each layer's attention output (the o_proj input) to `capture[layer]`."""
+    from kvq_ao.calibrate import _attention_modules
+
+    def hook(i):
+        return lambda _m, args: capture.setdefault(i, []).append(args[0].detach().float())
+
+    return [a.o_proj.register_forward_pre_hook(hook(i)) for i, a in enumerate(_attention_modules(model))]
+
+
+@torch.no_grad()
+def run_with(model, ids: torch.Tensor, config: KVQuantConfig | None, capture: dict | None = None) -> torch.Tensor:
+    """Log-probabilities [S, T, vocab] of ids [S, T], one pass per sequence (fp when config is None)."""
+    from kvq_ao.api import make_cache, quantize_kv_
+
+    out = []
+    for row in ids:
+        x = row[None]
+        if config is None:
+            logits = model(x).logits
+        else:
+            quantize_kv_(model, config)
+            logits = model(x, cache=make_cache(model, config)).logits
+        out.append(F.log_softmax(logits[0].float(), -1))
+    return torch.stack(out)
+
+
+def kl_to(logp_fp: torch.Tensor, logp_q: torch.Tensor) -> float:
+    """Mean KL(fp || quantized) per predicted token."""
+    return F.kl_div(logp_q.flatten(0, 1), logp_fp.flatten(0, 1), log_target=True, reduction="batchmean").item()
+
+
+def profile(model, ids: torch.Tensor, base: KVQuantConfig | None = None, candidates: list[Pair] = list(CANDIDATES),
+            progress: bool = True) -> LayerProfile:  # fmt: skip
+    """Profile every layer x candidate pair on ids [S, T] (see the module docstring)."""
+    from kvq_ao.api import model_dims
+
+    base = base or base_config()
+    for p in candidates:
+        check_pair(p)
+    n_layers = model_dims(model)[0]
+    fp_out: dict[int, list[torch.Tensor]] = {}
+    handles = _attention_outputs(model, fp_out)
+    try:
+        logp_fp = run_with(model, ids, None)
+    finally:
+        for h in handles:
+            h.remove()
+    attn = np.zeros((n_layers, len(candidates)))
+    kl = np.zeros((n_layers, len(candidates)))
+    fp_layers = [LayerKV(FP, FP)] * n_layers
+    bar = tqdm(total=n_layers * len(candidates), desc="profiling layers x pairs", disable=not progress)
+    for layer in range(n_layers):
+        for j, pair in enumerate(candidates):
+            layers = list(fp_layers)
+            layers[layer] = layer_spec(pair, base)
+            got: dict[int, list[torch.Tensor]] = {}
+            handles = _attention_outputs(model, got)
+            try:
+                logp = run_with(model, ids, base.with_layers(layers, name=f"profile-L{layer}-K{pair[0]}V{pair[1]}"))
+            finally:
+                for h in handles:
+                    h.remove()
+            ref, out = torch.cat(fp_out[layer]), torch.cat(got[layer])
+            attn[layer, j] = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+            kl[layer, j] = max(kl_to(logp_fp, logp), 1e-12)
+            bar.update()
+    bar.close()
+    return LayerProfile(_model_identity(model), base.to_dict(), [tuple(p) for p in candidates], attn, kl,
+                        tokens=int(ids.numel()))  # fmt: skip

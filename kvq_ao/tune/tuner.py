@@ -1,0 +1,119 @@
+"""`tune(model, ids, max_avg_bits)`: profile (cached), prune, cluster, search; the chosen config.
+
+The loss everywhere is KL(fp || quantized) of the next-token distribution on calibration tokens,
+measured through the real cache path; pruning and clustering use each layer's KL profile (the
+end-to-end signal; attention-output error is recorded beside it), the search measures whole
+assignments. Average bits are nominal: the mean of (key bits + value bits) / 2 over layers.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvq_ao.config import KVQuantConfig
+from kvq_ao.tune.cluster import cluster_layers, group_candidates
+from kvq_ao.tune.pareto import CANDIDATES, Pair, pair_bits, prune
+from kvq_ao.tune.profile import LayerProfile, assignment_config, base_config, kl_to, profile, run_with
+from kvq_ao.tune.search import SearchResult, search
+
+
+@dataclass
+class TuneResult:
+    profile: LayerProfile
+    groups: list[int]
+    candidates: list[list[Pair]]
+    front: list[SearchResult]
+    chosen: SearchResult
+    config: KVQuantConfig
+    uniform: list[tuple[Pair, float]]  # (pair, loss) of every uniform assignment
+    profile_seconds: float
+    search_seconds: float
+
+    def layer_pairs(self) -> list[Pair]:
+        return [self.chosen.assignment[g] for g in self.groups]
+
+
+def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 6, base: KVQuantConfig | None = None,
+         profile_path: str | Path | None = None, trials: int = 96, seed: int = 0, progress: bool = True,
+         log=print) -> TuneResult:  # fmt: skip
+    base = base or base_config()
+    t0 = time.perf_counter()
+    prof = None
+    if profile_path is not None and Path(profile_path).exists():
+        prof = LayerProfile.load(profile_path)
+        prof.check_model(model)
+        if prof.base != base.to_dict():
+            raise ValueError(f"{profile_path}: profiled with another base config; delete it or pass another path")
+        log(f"reusing the layer profile {profile_path}")
+    if prof is None:
+        prof = profile(model, ids, base, progress=progress)
+        if profile_path is not None:
+            prof.save(profile_path)
+    profile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pruned = [prune({p: prof.kl[layer, prof.column(p)] for p in prof.candidates}) for layer in range(prof.kl.shape[0])]
+    groups = cluster_layers(prof.kl, min(n_groups, prof.kl.shape[0]))
+    cands = group_candidates(groups, pruned)
+    sizes = [groups.count(g) for g in range(len(cands))]
+    logp_fp = run_with(model, ids, None)
+
+    def loss(assignment: tuple[Pair, ...]) -> float:
+        cfg = assignment_config([assignment[g] for g in groups], base)
+        return kl_to(logp_fp, run_with(model, ids, cfg))
+
+    front = search(cands, sizes, loss, max_avg_bits=max_avg_bits, trials=trials, seed=seed, progress=progress)
+    chosen = min(front, key=lambda r: r.loss)
+    n = len(groups)
+    uniform = [(p, kl_to(logp_fp, run_with(model, ids, assignment_config([p] * n, base)))) for p in CANDIDATES]
+    search_s = time.perf_counter() - t0
+    config = assignment_config([chosen.assignment[g] for g in groups], base, name=f"tuned-{max_avg_bits:g}bit")
+    return TuneResult(prof, groups, cands, front, chosen, config, uniform, profile_s, search_s)
+
+
+def write_front(result: TuneResult, csv_path: str | Path, png_path: str | Path | None = None) -> None:
+    """The measured Pareto front (and the uniform assignments) as CSV, and a bits-vs-loss plot."""
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kind", "avg_bits", "kl", "pairs_per_group"])
+        for r in result.front:
+            w.writerow(["pareto", f"{r.avg_bits:.4f}", f"{r.loss:.6g}", " ".join(f"K{k}V{v}" for k, v in r.assignment)])
+        for p, loss in result.uniform:
+            w.writerow(["uniform", f"{pair_bits(p):.4f}", f"{loss:.6g}", f"K{p[0]}V{p[1]}"])
+    if png_path is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs, ys = [r.avg_bits for r in result.front], [r.loss for r in result.front]
+    ax.plot(xs, ys, "o-", label="tuned (Pareto front)")
+    ax.scatter([pair_bits(p) for p, _ in result.uniform], [l for _, l in result.uniform], marker="s", c="tab:red", label="uniform")
+    for p, loss in result.uniform:
+        ax.annotate(f"K{p[0]}V{p[1]}", (pair_bits(p), loss), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.scatter([result.chosen.avg_bits], [result.chosen.loss], marker="*", s=150, c="gold", edgecolors="k", zorder=5, label="chosen")
+    ax.set_yscale("log")
+    ax.set_xlabel("average bits per K/V element (nominal)")
+    ax.set_ylabel("KL(fp || quantized) on calibration text")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def summary_rows(result: TuneResult) -> list[tuple[str, str, str, str]]:
+    """(layer, group, pair, profiled KL of that pair) per layer."""
+    rows = []
+    for layer, g in enumerate(result.groups):
+        p = result.chosen.assignment[g]
+        rows.append((str(layer), str(g), f"K{p[0]}V{p[1]}", f"{result.profile.kl[layer, result.profile.column(p)]:.4g}"))
+    return rows
+
+
+__all__ = ["TuneResult", "summary_rows", "tune", "write_front"]
