@@ -1,8 +1,9 @@
 """KVQuant on SmolLM2: preset quality and the ablations, on held-out pydoc text.
 
 Calibration uses pydoc's calibration half (16 x 512 tokens); evaluation uses the evaluation half
-(8 windows x 1025 tokens = 8192 predicted tokens, fresh cache per window, chunks of 64), so the
-two never overlap. Presets use the model's calibrations in the user cache (`kvq calibrate`, or
+(8 windows x 1025 tokens = 8192 predicted tokens for presets, the first 4 windows for ablations;
+fresh cache per window, chunks of 64), so the two never overlap. Rows are merged into the results
+file as they finish, so the table can be filled by several invocations. Presets use the model's calibrations in the user cache (`kvq calibrate`, or
 made here on first use); each ablation changes one thing of `kvquant-B-1pct` and is calibrated
 for itself. Prints a markdown table and writes results/kvquant.json.
 
@@ -35,12 +36,12 @@ def ablations(bits: int) -> list[tuple[str, KVQuantConfig, dict]]:
     def with_dtype(dtype):
         return dataclasses.replace(base, default=LayerKV(dataclasses.replace(k, dtype=dtype), dataclasses.replace(v, dtype=dtype)))
 
-    # The full config and "no outliers" are the presets kvquant-<bits>-1pct and kvquant-<bits>
-    # (rows of the preset table, not re-run).
     return [
+        ("full (nuq, pre-RoPE, 1% outliers, sink, Fisher)", base, {}),
         ("uniform int instead of nuq", with_dtype("int"), {}),
         ("NormalFloat levels instead of nuq", with_dtype("nf"), {}),
         ("post-RoPE keys", dataclasses.replace(base, pre_rope_keys=False), {}),
+        ("no outliers", KVQuantConfig.preset(f"kvquant-{bits}"), {}),
         ("no sink token", dataclasses.replace(base, sink_tokens=0), {}),
         ("unweighted k-means", base, {"fisher": False}),
     ]
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--skip-ablations", action="store_true")
     parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--ablation-windows", type=int, default=4, help="windows for the ablation rows (4 x 1025 = 4096 tokens)")
     parser.add_argument("--window-len", type=int, default=1025)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/kvquant.json")
@@ -59,15 +61,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2")
     windows = text_windows(tok, pydoc_text("eval"), args.windows, args.window_len)
+    ablation_windows = windows[: args.ablation_windows]
     calib_ids = text_windows(tok, pydoc_text("calib"), 16, 512)
+    out = Path(args.out)
+    saved = json.loads(out.read_text())["rows"] if out.exists() else []
     rows = []
 
     def run(table: str, label: str, config: KVQuantConfig) -> None:
         t0 = time.perf_counter()
-        r = evaluate(model, windows, config)
+        r = evaluate(model, windows if table == "presets" else ablation_windows, config)
         row = dict(table=table, label=label, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        # merged into the results file as it goes: separate invocations fill one table
+        keep = [x for x in saved if (x["table"], x["label"]) != (table, label)]
+        saved[:] = keep + [row]
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=saved), indent=2) + "\n")
 
     for name in [p for p in args.presets.split(",") if p]:
         run("presets", name, KVQuantConfig.preset(name))  # calibrates on first use (user cache)
@@ -82,15 +92,13 @@ def main() -> None:
                     path = calib.save(Path("/tmp/kvq-ablation") / f"{bits}-{abs(hash(label))}.json")
                     config = dataclasses.replace(config, calibration=str(path))
                 run(f"ablation-{bits}bit", label, dataclasses.replace(config, name=f"{bits}bit: {label}"))
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
-    print(f"\nSmolLM2-135M, {windows.shape[0]} x {windows.shape[1]} tokens of held-out pydoc text, fp PPL {rows[0]['ppl_fp']:.3f}")
-    print("| table | config | PPL | ΔPPL | KL | top-1 agree | bits/elem @4096 |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    rows = saved
+    print(f"\nSmolLM2-135M, held-out pydoc text ({out})")
+    print("| table | config | tokens | PPL | fp PPL | ΔPPL | KL | top-1 agree | bits/elem @4096 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['table']} | {r['label']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
-              f"{r['token_agreement']:.3f} | {r['avg_bits_at_4096']:.2f} |")
+        print(f"| {r['table']} | {r['label']} | {r['tokens']} | {r['ppl']:.3f} | {r['ppl_fp']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | "
+              f"{r['kl']:.4f} | {r['token_agreement']:.3f} | {r['avg_bits_at_4096']:.2f} |")
 
 
 if __name__ == "__main__":
