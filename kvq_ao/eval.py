@@ -131,7 +131,7 @@ def generation_agreement(model, tokenizer, prompts: list[str], config: KVQuantCo
         q = greedy(model, tokenizer, prompt, max_new_tokens)
         same = (fp == q).tolist()
         first_diff = same.index(False) if False in same else len(same)
-        rows.append({"prompt": prompt, "agree": sum(same), "first_divergence": first_diff,
+        rows.append({"prompt": prompt, "agree": sum(same), "first_divergence": first_diff, "fp_ids": fp.tolist(),
                      "fp": tokenizer.decode(fp), "quantized": tokenizer.decode(q)})  # fmt: skip
     total = sum(r["agree"] for r in rows)
     return {"config": config.name, "agree": total, "compared": len(prompts) * max_new_tokens,

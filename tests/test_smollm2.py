@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from transformers import DynamicCache
+
 from kvq_ao import KVQuantConfig
 from kvq_ao.eval import CHAT_PROMPTS, evaluate, generation_agreement, text_windows
 from kvq_ao.models import pydoc_text
@@ -33,11 +35,34 @@ def test_perplexity_stays_close_to_fp(smollm2, windows, preset, max_loss):
     assert result.ppl_ratio - 1 <= max_loss, result
 
 
+NEAR_TIE = 0.05  # logits: a top-2 margin this small in the fp model itself is a coin toss for any cache
+
+
+def _fp_margin_at(model, tokenizer, prompt: str, fp_tokens: list[int]) -> float:
+    """The fp model's top-1 minus top-2 logit at the step where generation diverged."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    ids = torch.cat([ids, torch.tensor([fp_tokens], dtype=torch.long)], 1)
+    with torch.no_grad():
+        top = torch.topk(model(ids, cache=DynamicCache(config=model.config)).logits[0, -1], 2).values
+    return float(top[0] - top[1])
+
+
 def test_int8_generation_matches_fp_token_for_token(smollm2):
+    """Identical to the fp cache, except after a step where fp's own top-2 margin is a near tie.
+
+    Seen: on a fresh install the poem prompt's first token has an fp margin of 0.012 logits
+    (504 vs 788); int8 moves logits by ~0.02, so that first token can go either way.
+    """
     model, tokenizer = smollm2
     report = generation_agreement(model, tokenizer, CHAT_PROMPTS, KVQuantConfig.preset("int8"), 32, progress=False)
     assert report["compared"] == 5 * 32
-    assert report["agree"] == report["compared"], [r for r in report["prompts"] if r["agree"] < 32]
+    for r in report["prompts"]:
+        if r["agree"] < 32:
+            margin = _fp_margin_at(model, tokenizer, r["prompt"], r["fp_ids"][: r["first_divergence"]])
+            print(f"int8 diverges from fp at step {r['first_divergence']} of {r['prompt']!r}; fp top-2 margin {margin:.4f}")
+            assert margin < NEAR_TIE, r
+    print(f"int8 greedy agreement with fp: {report['agree']}/{report['compared']}")
 
 
 def test_kivi4_generation_agreement_is_reported(smollm2):
