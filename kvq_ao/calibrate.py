@@ -34,7 +34,8 @@ from tqdm.auto import tqdm
 from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, QuantSpec
 from kvq_ao.quant.rope import rotate
-from kvq_ao.quant.uniform import AXIS_CHANNEL, _grouped, _reduce_dim, group_range
+from kvq_ao.quant.codebook import normalize
+from kvq_ao.quant.uniform import AXIS_CHANNEL
 
 CALIBRATION_VERSION = 1
 KINDS = ("key", "value")
@@ -262,10 +263,7 @@ def normalized(x: torch.Tensor, spec: QuantSpec, sink: int, lo: torch.Tensor | N
         if spec.axis_id == AXIS_CHANNEL:  # the cache stands the block's last token in for sink tokens
             x = x.clone()
             x[:, :, :sink] = x[:, :, spec.group_size - 1 : spec.group_size]
-    g = _grouped(x, spec.axis_id, spec.group_size)
-    dim = _reduce_dim(spec.axis_id)
-    zero, scale = group_range(g, dim, 1, torch.float16)
-    u = ((g - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))).reshape(x.shape)
+    u = normalize(x, spec.axis_id, spec.group_size)[0].reshape(x.shape)
     return u.clamp(0.0, 1.0), keep
 
 

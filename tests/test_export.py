@@ -25,6 +25,18 @@ def _eager_logits(config, tokens):
         return [step(torch.tensor([[t]]), torch.tensor([i]))[0, -1] for i, t in enumerate(tokens)], step
 
 
+def _generate_and_compare(runner, cfg, prompt, runtime: str):
+    """Greedy 32 tokens with the artifact; logits within 1e-3 relative of eager, same tokens."""
+    new, logits = runner.generate(prompt, 32)
+    eager, step = _eager_logits(cfg, prompt + new[:-1])
+    diff = max((a - b).abs().max().item() for a, b in zip(logits, eager))
+    scale = max(b.abs().max().item() for b in eager)
+    print(f"{runtime} {cfg.name}: max |logit diff| {diff:.2e} (relative {diff / scale:.2e})")
+    assert diff / scale < 1e-3
+    assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
+    return step
+
+
 @pytest.fixture(scope="module", params=["kivi-2-r8", "kivi-4", "kvquant-nuq3-2pct"])
 def exported(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
@@ -46,13 +58,7 @@ def test_executorch_generation_matches_eager_over_prompt_and_decode(exported):
     runner = ExecuTorchRunner(pte.path)
     prompt = torch.randint(3, 128, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     for _ in range(2):  # a second generation reuses the loaded program from position 0
-        new, logits = runner.generate(prompt, 32)
-        eager, step = _eager_logits(cfg, prompt + new[:-1])
-        diff = max((a - b).abs().max().item() for a, b in zip(logits, eager))
-        scale = max(b.abs().max().item() for b in eager)
-        print(f"executorch {cfg.name}: max |logit diff| {diff:.2e} (relative {diff / scale:.2e})")
-        assert diff / scale < 1e-3
-        assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
+        step = _generate_and_compare(runner, cfg, prompt, "executorch")
     if cfg.name != "kivi-4":
         assert int(step.cache.layers[0].body_end) > 0  # the packed codes were really read
 
@@ -69,13 +75,7 @@ def test_onnx_generation_matches_eager_over_prompt_and_decode(exported):
     cfg, _, onnx_path = exported
     runner = OnnxRunner(onnx_path)
     prompt = torch.randint(3, 128, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-    new, logits = runner.generate(prompt, 32)
-    eager, step = _eager_logits(cfg, prompt + new[:-1])
-    diff = max((a - b).abs().max().item() for a, b in zip(logits, eager))
-    scale = max(b.abs().max().item() for b in eager)
-    print(f"onnx {cfg.name}: max |logit diff| {diff:.2e} (relative {diff / scale:.2e})")
-    assert diff / scale < 1e-3
-    assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
+    step = _generate_and_compare(runner, cfg, prompt, "onnx")
     for name, t in zip(step.cache_names(), step.cache_tensors()):
         got = torch.from_numpy(runner.past[name])
         if name.endswith(("_codes", "_out_idx")):

@@ -52,16 +52,22 @@ def nf_codebook(bits: int) -> torch.Tensor:
     return levels.to(torch.float32)
 
 
+def normalize(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype = torch.float16):
+    """x [..., T, D] -> (u grouped, scale, zero, reduced dim): each group mapped onto [0, 1] by its
+    stored range. Shared by quantization and by calibration, which fits levels to these u."""
+    g = _grouped(x.float(), axis, group)
+    dim = _reduce_dim(axis)
+    zero, scale = group_range(g, dim, 1, scale_dtype)
+    u = (g - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))
+    return u, scale, zero, dim
+
+
 def quantize_codebook(x: torch.Tensor, codebook: torch.Tensor, bits: int, axis: int, group: int,
                       scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [..., T, D] -> (packed codes, scale, zero), scale = group range, zero = group minimum."""
     *_, t, d = x.shape
     check_shape(t, d, axis, group)
-    g = _grouped(x.float(), axis, group)
-    dim = _reduce_dim(axis)
-    zero, scale = group_range(g, dim, 1, scale_dtype)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    u = (g - zero) / safe
+    u, scale, zero, dim = normalize(x, axis, group, scale_dtype)
     cb = codebook.float()
     mids = (cb[1:] + cb[:-1]) * 0.5
     codes = (u.unsqueeze(-1) > mids).sum(-1)

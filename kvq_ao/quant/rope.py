@@ -15,8 +15,13 @@ from __future__ import annotations
 import torch
 
 
+def _freqs(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Angles [T, D/2], computed as transformers' rotary module computes them."""
+    return positions.float()[:, None] * inv_freq.float()[None, :]
+
+
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    freqs = _freqs(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
     return emb.cos(), emb.sin()
 
@@ -31,7 +36,7 @@ def rotated_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, in
     inductor keeps unpack, dequantize and rotation in one loop without a float [T, D] buffer.
     """
     half = k.shape[-1] // 2
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    freqs = _freqs(positions, inv_freq)
     cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
     q1, q2 = q[..., :half].unsqueeze(-2), q[..., half:].unsqueeze(-2)  # [..., n, 1, D/2]
     k1, k2 = k[..., :half].unsqueeze(-3), k[..., half:].unsqueeze(-3)  # [..., 1, T, D/2]
