@@ -49,17 +49,18 @@ def _prefill(model, cache, ids: torch.Tensor, chunk: int = 512) -> None:
 
 
 @torch.no_grad()
-def bench_length(model, cfg, ids: torch.Tensor, steps: int, out_dir: Path, skip: set[str]) -> list[dict]:
-    """All variants at one cached-token count (ids.shape[1]); `skip` names variants to leave out."""
+def bench_length(model, cfg, ids: torch.Tensor, steps: int, out_dir: Path, skip: set[str], rows: list[dict], save) -> None:
+    """All variants at one cached-token count (ids.shape[1]), appended to `rows`; `save()` runs after
+    each row so a long run that is stopped keeps what it measured. `skip` names variants to leave out."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     n = ids.shape[1]
     token = torch.tensor([[42]])
-    rows = []
 
     def add(name, ms, kv_bytes):
         rows.append(dict(variant=name, cached_tokens=n, ms_per_token=ms, kv_bytes=kv_bytes))
         print(json.dumps(rows[-1]), flush=True)
+        save()
 
     def eager(cache):
         _prefill(model, cache, ids)
@@ -74,7 +75,8 @@ def bench_length(model, cfg, ids: torch.Tensor, steps: int, out_dir: Path, skip:
             cache = QuantizedCache(backend="quanto", config=model.config, nbits=4)
             add("transformers-quanto-4", eager(cache), None)
         except Exception as e:  # reported, not hidden: the peer's failure is a result too
-            print(json.dumps(dict(variant="transformers-quanto-4", cached_tokens=n, error=str(e)[:200])))
+            rows.append(dict(variant="transformers-quanto-4", cached_tokens=n, error=str(e)[:200]))
+            print(json.dumps(rows[-1]), flush=True)
     if "compiled-fp" not in skip:
         cache = StaticCache(config=model.config, max_cache_len=n + steps + 4)
         _prefill(model, cache, ids)
@@ -109,7 +111,6 @@ def bench_length(model, cfg, ids: torch.Tensor, steps: int, out_dir: Path, skip:
         runner.past = {k: t.numpy() for k, t in zip(filled.cache_names(), filled.cache_tensors())}
         add(f"onnxruntime-{cfg.name}", _median_ms(lambda i: runner.step(42, n + i), steps),
             sum(t.numel() * t.element_size() for t in filled.cache_tensors()))  # fmt: skip
-    return rows
 
 
 def main() -> None:
@@ -130,14 +131,17 @@ def main() -> None:
     model, tok = load_model("smollm2")
     text_ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids
     cfg = KVQuantConfig.preset(args.preset)
-    rows = []
+    rows: list[dict] = []
+
+    def save() -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
+
     for n in [int(x) for x in args.lengths.split(",")]:
         skip = set(args.skip.split(","))
         if str(n) not in args.export_lengths.split(","):
             skip |= {"executorch", "onnx"}
-        rows += bench_length(model, cfg, text_ids[:, :n], args.steps, out_dir, skip)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # saved after each length: long runs keep their rows
-        Path(args.out).write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
+        bench_length(model, cfg, text_ids[:, :n], args.steps, out_dir, skip, rows, save)
     base = {r["cached_tokens"]: r["ms_per_token"] for r in rows if r.get("variant") == "eager-fp"}
     print(f"\nSmolLM2-135M decode step, batch 1, {args.threads} threads, {platform.processor() or platform.machine()}, {date.today()}")
     print(f"{'variant':28} {'tokens':>7} {'ms/token':>9} {'vs eager fp':>11} {'KV MiB':>8}")
@@ -148,8 +152,6 @@ def main() -> None:
         ratio = r["ms_per_token"] / base[r["cached_tokens"]] if r["cached_tokens"] in base else float("nan")
         kv = f"{r['kv_bytes'] / 2**20:8.1f}" if r["kv_bytes"] else "       -"
         print(f"{r['variant']:28} {r['cached_tokens']:>7} {r['ms_per_token']:9.2f} {ratio:11.2f} {kv}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
 
 
 if __name__ == "__main__":
