@@ -136,7 +136,8 @@ def cmd_tune(args) -> int:
     result.config.save(out)
     write_front(result, out.with_suffix(".pareto.csv"), out.with_suffix(".pareto.png"))
     console = Console(width=max(Console().width, 120))
-    table = Table(title=f"{result.config.name}: {result.chosen.avg_bits:.2f} average bits, calibration KL {result.chosen.loss:.4g}")
+    table = Table(title=f"{result.config.name}: {result.chosen.avg_bits:.2f} average bits, calibration KL {result.chosen.loss:.4g} "
+                        f"measured, {result.predicted_loss(result.chosen.assignment):.4g} predicted (sum of layer KLs)")  # fmt: skip
     for col in ("layer", "group", "pair", "profiled KL (this layer alone)"):
         table.add_column(col)
     for row in summary_rows(result):
@@ -323,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-avg-bits", type=float, required=True, help="budget: mean of (key + value bits) / 2 over layers")
     p.add_argument("--out", default="tuned.json", help="the chosen config (.json); the Pareto CSV/PNG go beside it")
-    p.add_argument("--groups", type=int, default=6, help="layer groups searched over")
+    p.add_argument("--groups", type=int, default=8, help="layer groups searched over")
     p.add_argument("--trials", type=int, default=96, help="NSGA-II trials when the reduced space is large")
     p.add_argument("--samples", type=int, default=2, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")

@@ -77,6 +77,42 @@ def test_search_finds_the_known_optimum_under_a_budget(exhaustive_limit):
     assert best.assignment[1][0] >= best.assignment[0][0]  # the sensitive group gets at least as many key bits
 
 
+def test_predicted_front_is_the_exact_front_of_an_additive_loss():
+    import itertools
+    import random
+
+    from kvq_ao.tune.pareto import pareto_front
+    from kvq_ao.tune.search import average_bits, predicted_front
+
+    rng = random.Random(0)
+    sizes = [3, 1, 4, 2]
+    candidates = [rng.sample(list(CANDIDATES), k) for k in (4, 9, 3, 5)]
+    table = {(g, p): rng.uniform(0, 1) * 2.0 ** -(p[0] + p[1]) for g in range(4) for p in CANDIDATES}
+    front = predicted_front(candidates, sizes, lambda g, p: table[g, p])
+    every = list(itertools.product(*candidates))
+    points = [(average_bits(a, sizes), sum(table[g, p] for g, p in enumerate(a))) for a in every]
+    want = sorted((points[i][0], round(points[i][1], 12)) for i in pareto_front(points))
+    assert sorted((r.avg_bits, round(r.loss, 12)) for r in front) == want
+    for r in front:  # each assignment really has the bits and loss it is listed with
+        assert r.avg_bits == average_bits(r.assignment, sizes)
+        assert abs(r.loss - sum(table[g, p] for g, p in enumerate(r.assignment))) < 1e-12
+
+
+def test_search_seeds_start_nsga2_and_are_checked():
+    seen = []
+
+    def loss(a):
+        seen.append(a)
+        return _synthetic_loss(a)
+
+    candidates, sizes = [list(CANDIDATES)] * 3, [10, 10, 10]
+    seed_assignment = ((4, 4), (8, 4), (2, 2))
+    search(candidates, sizes, loss, max_avg_bits=4.0, exhaustive_limit=1, trials=8, seeds=[seed_assignment])
+    assert seen[0] == seed_assignment
+    with pytest.raises(ValueError, match="not one candidate per group"):
+        search([[(2, 2), (4, 4)]] * 2, [1, 1], loss, max_avg_bits=3.0, seeds=[((8, 8), (2, 2))])
+
+
 def test_budget_outside_the_candidates_is_a_clear_error():
     candidates, sizes = [[(2, 2), (8, 8)]] * 2, [5, 5]
     with pytest.raises(ValueError, match="below the cheapest"):

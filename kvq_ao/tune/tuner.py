@@ -3,7 +3,10 @@
 The loss everywhere is KL(fp || quantized) of the next-token distribution on calibration tokens,
 measured through the real cache path; pruning and clustering use each layer's KL profile (the
 end-to-end signal; attention-output error is recorded beside it), the search measures whole
-assignments. Average bits are nominal: the mean of (key bits + value bits) / 2 over layers.
+assignments. The profile also predicts a whole assignment's KL as the sum of its layers' KLs;
+the exact best predictions (`predicted_front`) seed the measured search, and the chosen
+assignment's predicted and measured KL are both reported. Average bits are nominal: the mean of
+(key bits + value bits) / 2 over layers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from kvq_ao.config import KVQuantConfig
 from kvq_ao.tune.cluster import cluster_layers, group_candidates
 from kvq_ao.tune.pareto import CANDIDATES, Pair, pair_bits, prune
 from kvq_ao.tune.profile import LayerProfile, assignment_config, base_config, kl_to, profile, run_with
-from kvq_ao.tune.search import SearchResult, search
+from kvq_ao.tune.search import SearchResult, predicted_front, search
 
 
 @dataclass
@@ -31,14 +34,20 @@ class TuneResult:
     chosen: SearchResult
     config: KVQuantConfig
     uniform: list[tuple[Pair, float]]  # (pair, loss) of every uniform assignment
+    predicted: list[SearchResult]  # the additive surrogate's front (loss = predicted KL)
     profile_seconds: float
     search_seconds: float
+
+    def predicted_loss(self, assignment: tuple[Pair, ...]) -> float:
+        """KL predicted for a group assignment: the sum of its layers' profiled KLs."""
+        p = self.profile
+        return float(sum(p.kl[layer, p.column(assignment[g])] for layer, g in enumerate(self.groups)))
 
     def layer_pairs(self) -> list[Pair]:
         return [self.chosen.assignment[g] for g in self.groups]
 
 
-def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 6, base: KVQuantConfig | None = None,
+def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base: KVQuantConfig | None = None,
          profile_path: str | Path | None = None, trials: int = 96, seed: int = 0, progress: bool = True,
          log=print) -> TuneResult:  # fmt: skip
     base = base or base_config()
@@ -61,29 +70,35 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 6, base:
     cands = group_candidates(groups, pruned)
     sizes = [groups.count(g) for g in range(len(cands))]
     logp_fp = run_with(model, ids, None)
+    members = [[layer for layer, g in enumerate(groups) if g == gi] for gi in range(len(cands))]
+    predicted = predicted_front(cands, sizes, lambda g, p: sum(prof.kl[layer, prof.column(p)] for layer in members[g]))
+    within = [r.assignment for r in predicted if r.avg_bits <= max_avg_bits + 1e-9]
+    seeds = within[::-1][: max(4, trials // 6)]  # the predicted best, nearest the budget first
 
     def loss(assignment: tuple[Pair, ...]) -> float:
         cfg = assignment_config([assignment[g] for g in groups], base)
         return kl_to(logp_fp, run_with(model, ids, cfg))
 
-    front = search(cands, sizes, loss, max_avg_bits=max_avg_bits, trials=trials, seed=seed, progress=progress)
+    front = search(cands, sizes, loss, max_avg_bits=max_avg_bits, trials=trials, seed=seed, progress=progress, seeds=seeds)
     chosen = min(front, key=lambda r: r.loss)
     n = len(groups)
     uniform = [(p, kl_to(logp_fp, run_with(model, ids, assignment_config([p] * n, base)))) for p in CANDIDATES]
     search_s = time.perf_counter() - t0
     config = assignment_config([chosen.assignment[g] for g in groups], base, name=f"tuned-{max_avg_bits:g}bit")
-    return TuneResult(prof, groups, cands, front, chosen, config, uniform, profile_s, search_s)
+    return TuneResult(prof, groups, cands, front, chosen, config, uniform, predicted, profile_s, search_s)
 
 
 def write_front(result: TuneResult, csv_path: str | Path, png_path: str | Path | None = None) -> None:
     """The measured Pareto front (and the uniform assignments) as CSV, and a bits-vs-loss plot."""
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["kind", "avg_bits", "kl", "pairs_per_group"])
+        w.writerow(["kind", "avg_bits", "kl", "predicted_kl", "pairs_per_group"])
         for r in result.front:
-            w.writerow(["pareto", f"{r.avg_bits:.4f}", f"{r.loss:.6g}", " ".join(f"K{k}V{v}" for k, v in r.assignment)])
+            pairs = " ".join(f"K{k}V{v}" for k, v in r.assignment)
+            w.writerow(["pareto", f"{r.avg_bits:.4f}", f"{r.loss:.6g}", f"{result.predicted_loss(r.assignment):.6g}", pairs])
         for p, loss in result.uniform:
-            w.writerow(["uniform", f"{pair_bits(p):.4f}", f"{loss:.6g}", f"K{p[0]}V{p[1]}"])
+            predicted = result.predicted_loss(tuple(p for _ in result.candidates))
+            w.writerow(["uniform", f"{pair_bits(p):.4f}", f"{loss:.6g}", f"{predicted:.6g}", f"K{p[0]}V{p[1]}"])
     if png_path is None:
         return
     import matplotlib
