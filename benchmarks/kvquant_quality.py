@@ -8,6 +8,10 @@ made here on first use); each ablation changes one thing of `kvquant-B-1pct` and
 for itself. Prints a markdown table and writes results/kvquant.json.
 
     python benchmarks/kvquant_quality.py [--bits 3,2] [--presets a,b] [--skip-ablations]
+    python benchmarks/kvquant_quality.py --presets kvquant-3-1pct --residual 128 --skip-ablations
+
+`--residual N` evaluates the presets with an N-token full-precision window on top (KIVI's recipe;
+the same calibration, which the window does not change), as rows labelled `<preset>+r<N>`.
 """
 
 import argparse
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--ablation-windows", type=int, default=4, help="windows for the ablation rows (4 x 1025 = 4096 tokens)")
     parser.add_argument("--window-len", type=int, default=1025)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--residual", type=int, default=None, help="add an N-token fp window to the presets")
     parser.add_argument("--out", default="results/kvquant.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,7 +85,11 @@ def main() -> None:
         out.write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=saved), indent=2) + "\n")
 
     for name in [p for p in args.presets.split(",") if p]:
-        run("presets", name, KVQuantConfig.preset(name))  # calibrates on first use (user cache)
+        config = KVQuantConfig.preset(name)  # calibrates on first use (user cache)
+        if args.residual is not None:  # the preset's own calibration (found by name) serves the variant
+            config = dataclasses.replace(config, residual_length=args.residual)
+            name = f"{name}+r{args.residual}"
+        run("presets", name, config)
     if not args.skip_ablations:
         acts = {}
         for bits in [int(b) for b in args.bits.split(",")]:
