@@ -127,9 +127,10 @@ def cmd_tune(args) -> int:
 
     model, tokenizer = _load(args)
     ids = text_windows(tokenizer, pydoc_text("calib"), args.samples, args.seq_len)
-    base = base_config(residual_length=args.residual, group_size=args.group)
+    base = base_config(residual_length=args.residual, group_size=args.group, dtype=args.dtype, pre_rope_keys=args.pre_rope)
+    variant = ("" if args.dtype == "int" else f"-{args.dtype}") + ("-prerope" if args.pre_rope else "")
     profile_path = Path(args.profile) if args.profile else (
-        cache_dir() / "tune" / f"{model_key(model)}-r{args.residual}-g{args.group}-{ids.shape[0]}x{ids.shape[1]}.json")
+        cache_dir() / "tune" / f"{model_key(model)}-r{args.residual}-g{args.group}{variant}-{ids.shape[0]}x{ids.shape[1]}.json")
     result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
                   trials=args.trials, log=_log)  # fmt: skip
     out = Path(args.out)
@@ -330,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--residual", type=int, default=128, help="full-precision window shared by all layers (KIVI's)")
     p.add_argument("--group", type=int, default=32, help="quantization group size")
+    p.add_argument("--dtype", choices=["int", "nf"], default="int",
+                   help="datatype of the 2- and 4-bit candidates (nf: KVQuant's NormalFloat levels; 8-bit ones stay int)")
+    p.add_argument("--pre-rope", action="store_true", help="store keys before RoPE (KVQuant), rotated inside attention")
     p.add_argument("--profile", default=None, help="layer profile cache (.json); default: the user cache")
     p.set_defaults(func=cmd_tune)
 

@@ -1,5 +1,7 @@
 """KVTuner's pieces on their own: Pareto pruning, layer clustering, the search."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,33 @@ def test_tune_a_tiny_model_end_to_end_and_reuse_the_profile(tmp_path):
     with pytest.raises(ValueError, match="invalid layer profile"):
         (tmp_path / "bad.json").write_text("{}")
         LayerProfile.load(tmp_path / "bad.json")
+
+
+def test_tune_over_kvquant_datatypes_nf_levels_and_pre_rope_keys(tmp_path):
+    """KVQuant's uncalibrated datatype (NormalFloat levels) and pre-RoPE keys as tuning candidates:
+    2/4-bit candidates take the base's levels, 8-bit ones stay int; the tuned config runs."""
+    import torch
+
+    from conftest import tiny_llama
+    from kvq_ao import make_cache, quantize_kv_
+    from kvq_ao.config import LayerKV, QuantSpec
+    from kvq_ao.tune.profile import base_config, layer_spec
+    from kvq_ao.tune.tuner import tune
+
+    base = base_config(residual_length=8, group_size=16, dtype="nf", pre_rope_keys=True)
+    spec = layer_spec((2, 8), base)
+    assert (spec.key.dtype, spec.key.bits, spec.value.dtype, spec.value.bits) == ("nf", 2, "int", 8)
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
+    result = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, progress=False, log=lambda _m: None)
+    cfg = result.config
+    assert cfg.pre_rope_keys and result.chosen.avg_bits <= 3.0
+    assert {s.dtype for layer in cfg.layers for s in (layer.key, layer.value) if s.bits in (2, 4)} <= {"nf"}
+    # nf at 2 bits costs this layer more than nf at 4 bits (the profile measured real differences)
+    assert (result.profile.kl[:, result.profile.column((2, 2))] > result.profile.kl[:, result.profile.column((4, 4))]).all()
+    quantize_kv_(model, cfg)
+    with torch.no_grad():
+        model(ids, cache=make_cache(model, cfg))
+    calibrated = dataclasses.replace(base, default=LayerKV(QuantSpec(4, "channel", 16, "nuq"), QuantSpec(4, "token", 16)))
+    with pytest.raises(ValueError, match="calibrated datatypes"):
+        layer_spec((2, 2), calibrated)

@@ -19,23 +19,36 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvq_ao.config import FP, KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.config import CODEBOOK_BITS, FP, KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.tune.pareto import CANDIDATES, Pair, check_pair
 
 PROFILE_VERSION = 1
 
 
-def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: int = 32) -> KVQuantConfig:
-    """What every tuned layer shares: KIVI's axes and window (the uniform presets' layout)."""
-    return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens,
-                         default=LayerKV(QuantSpec(8, "channel", group_size), QuantSpec(8, "token", group_size)),
+def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: int = 32, dtype: str = "int",
+                pre_rope_keys: bool = False) -> KVQuantConfig:  # fmt: skip
+    """What every tuned layer shares: KIVI's axes and window (the uniform presets' layout), and the
+    datatype of the 2- and 4-bit candidates ("int", or KVQuant's fixed NormalFloat levels "nf")."""
+    bits = 8 if dtype == "int" else 4  # never used (each layer gets its pair); codebooks stop at 4 bits
+    return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens, pre_rope_keys=pre_rope_keys,
+                         default=LayerKV(QuantSpec(bits, "channel", group_size, dtype), QuantSpec(bits, "token", group_size, dtype)),
                          name="tune-base")  # fmt: skip
+
+
+def _spec(bits: int, like: QuantSpec) -> QuantSpec:
+    # Codebook levels exist for 2-4 bits; at 8 bits uniform int is already near lossless (K8V8 KL
+    # 6e-5 on SmolLM2), so 8-bit candidates are int whatever the base datatype: a stated rule.
+    return QuantSpec(bits, like.axis, like.group_size, like.dtype if bits in CODEBOOK_BITS else "int")
 
 
 def layer_spec(pair: Pair, base: KVQuantConfig) -> LayerKV:
     check_pair(pair)
     k, v = base.default.key, base.default.value
-    return LayerKV(QuantSpec(pair[0], k.axis, k.group_size), QuantSpec(pair[1], v.axis, v.group_size))
+    for s in (k, v):
+        if s.needs_calibration:
+            raise ValueError(f"tuning over calibrated datatypes ({s.label()}: nuq levels or outliers) is not supported: "
+                             "every bit width would need its own calibration; use dtype 'int' or 'nf' in the base")  # fmt: skip
+    return LayerKV(_spec(pair[0], k), _spec(pair[1], v))
 
 
 def assignment_config(pairs: list[Pair], base: KVQuantConfig, name: str = "tuned") -> KVQuantConfig:
