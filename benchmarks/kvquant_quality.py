@@ -70,13 +70,11 @@ def main() -> None:
     calib_ids = text_windows(tok, pydoc_text("calib"), 16, 512)
     out = Path(args.out)
     saved = json.loads(out.read_text())["rows"] if out.exists() else []
-    rows = []
 
     def run(table: str, label: str, config: KVQuantConfig) -> None:
         t0 = time.perf_counter()
         r = evaluate(model, windows if table == "presets" else ablation_windows, config)
         row = dict(table=table, label=label, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
-        rows.append(row)
         print(json.dumps(row), flush=True)
         # merged into the results file as it goes: separate invocations fill one table
         keep = [x for x in saved if (x["table"], x["label"]) != (table, label)]
@@ -101,11 +99,10 @@ def main() -> None:
                     path = calib.save(Path("/tmp/kvq-ablation") / f"{bits}-{abs(hash(label))}.json")
                     config = dataclasses.replace(config, calibration=str(path))
                 run(f"ablation-{bits}bit", label, dataclasses.replace(config, name=f"{bits}bit: {label}"))
-    rows = saved
     print(f"\nSmolLM2-135M, held-out pydoc text ({out})")
     print("| table | config | tokens | PPL | fp PPL | ΔPPL | KL | top-1 agree | bits/elem @4096 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    for r in saved:
         print(f"| {r['table']} | {r['label']} | {r['tokens']} | {r['ppl']:.3f} | {r['ppl_fp']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | "
               f"{r['kl']:.4f} | {r['token_agreement']:.3f} | {r['avg_bits_at_4096']:.2f} |")
 

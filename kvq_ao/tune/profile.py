@@ -69,6 +69,14 @@ class LayerProfile:
     def column(self, pair: Pair) -> int:
         return self.candidates.index(tuple(pair))
 
+    def layer_kl(self, layer: int, pair: Pair) -> float:
+        """KL with only `layer` quantized to `pair`."""
+        return float(self.kl[layer, self.column(pair)])
+
+    def predicted_kl(self, layer_pairs: list[Pair]) -> float:
+        """KL predicted for a per-layer assignment: the sum of its layers' profiled KLs."""
+        return sum(self.layer_kl(layer, p) for layer, p in enumerate(layer_pairs))
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,14 +133,12 @@ def run_with(model, ids: torch.Tensor, config: KVQuantConfig | None, capture: di
     """Log-probabilities [S, T, vocab] of ids [S, T], one pass per sequence (fp when config is None)."""
     from kvq_ao.api import make_cache, quantize_kv_
 
+    if config is not None:
+        quantize_kv_(model, config)
     out = []
     for row in ids:
         x = row[None]
-        if config is None:
-            logits = model(x).logits
-        else:
-            quantize_kv_(model, config)
-            logits = model(x, cache=make_cache(model, config)).logits
+        logits = model(x).logits if config is None else model(x, cache=make_cache(model, config)).logits
         out.append(F.log_softmax(logits[0].float(), -1))
     return torch.stack(out)
 

@@ -34,17 +34,17 @@ class TuneResult:
     chosen: SearchResult
     config: KVQuantConfig
     uniform: list[tuple[Pair, float]]  # (pair, loss) of every uniform assignment
-    predicted: list[SearchResult]  # the additive surrogate's front (loss = predicted KL)
     profile_seconds: float
     search_seconds: float
 
     def predicted_loss(self, assignment: tuple[Pair, ...]) -> float:
         """KL predicted for a group assignment: the sum of its layers' profiled KLs."""
-        p = self.profile
-        return float(sum(p.kl[layer, p.column(assignment[g])] for layer, g in enumerate(self.groups)))
+        return self.profile.predicted_kl(per_layer(assignment, self.groups))
 
-    def layer_pairs(self) -> list[Pair]:
-        return [self.chosen.assignment[g] for g in self.groups]
+
+def per_layer(assignment: tuple[Pair, ...], groups: list[int]) -> list[Pair]:
+    """One pair per group -> one pair per layer."""
+    return [assignment[g] for g in groups]
 
 
 def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base: KVQuantConfig | None = None,
@@ -65,18 +65,18 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
             prof.save(profile_path)
     profile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    pruned = [prune({p: prof.kl[layer, prof.column(p)] for p in prof.candidates}) for layer in range(prof.kl.shape[0])]
+    pruned = [prune({p: prof.layer_kl(layer, p) for p in prof.candidates}) for layer in range(prof.kl.shape[0])]
     groups = cluster_layers(prof.kl, min(n_groups, prof.kl.shape[0]))
     cands = group_candidates(groups, pruned)
     sizes = [groups.count(g) for g in range(len(cands))]
     logp_fp = run_with(model, ids, None)
     members = [[layer for layer, g in enumerate(groups) if g == gi] for gi in range(len(cands))]
-    predicted = predicted_front(cands, sizes, lambda g, p: sum(prof.kl[layer, prof.column(p)] for layer in members[g]))
+    predicted = predicted_front(cands, sizes, lambda g, p: sum(prof.layer_kl(layer, p) for layer in members[g]))
     within = [r.assignment for r in predicted if r.avg_bits <= max_avg_bits + 1e-9]
     seeds = within[::-1][: max(4, trials // 6)]  # the predicted best, nearest the budget first
 
     def loss(assignment: tuple[Pair, ...]) -> float:
-        cfg = assignment_config([assignment[g] for g in groups], base)
+        cfg = assignment_config(per_layer(assignment, groups), base)
         return kl_to(logp_fp, run_with(model, ids, cfg))
 
     front = search(cands, sizes, loss, max_avg_bits=max_avg_bits, trials=trials, seed=seed, progress=progress, seeds=seeds)
@@ -84,8 +84,8 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
     n = len(groups)
     uniform = [(p, kl_to(logp_fp, run_with(model, ids, assignment_config([p] * n, base)))) for p in CANDIDATES]
     search_s = time.perf_counter() - t0
-    config = assignment_config([chosen.assignment[g] for g in groups], base, name=f"tuned-{max_avg_bits:g}bit")
-    return TuneResult(prof, groups, cands, front, chosen, config, uniform, predicted, profile_s, search_s)
+    config = assignment_config(per_layer(chosen.assignment, groups), base, name=f"tuned-{max_avg_bits:g}bit")
+    return TuneResult(prof, groups, cands, front, chosen, config, uniform, profile_s, search_s)
 
 
 def write_front(result: TuneResult, csv_path: str | Path, png_path: str | Path | None = None) -> None:
@@ -97,7 +97,7 @@ def write_front(result: TuneResult, csv_path: str | Path, png_path: str | Path |
             pairs = " ".join(f"K{k}V{v}" for k, v in r.assignment)
             w.writerow(["pareto", f"{r.avg_bits:.4f}", f"{r.loss:.6g}", f"{result.predicted_loss(r.assignment):.6g}", pairs])
         for p, loss in result.uniform:
-            predicted = result.predicted_loss(tuple(p for _ in result.candidates))
+            predicted = result.profile.predicted_kl([p] * len(result.groups))
             w.writerow(["uniform", f"{pair_bits(p):.4f}", f"{loss:.6g}", f"{predicted:.6g}", f"K{p[0]}V{p[1]}"])
     if png_path is None:
         return
@@ -127,7 +127,7 @@ def summary_rows(result: TuneResult) -> list[tuple[str, str, str, str]]:
     rows = []
     for layer, g in enumerate(result.groups):
         p = result.chosen.assignment[g]
-        rows.append((str(layer), str(g), f"K{p[0]}V{p[1]}", f"{result.profile.kl[layer, result.profile.column(p)]:.4g}"))
+        rows.append((str(layer), str(g), f"K{p[0]}V{p[1]}", f"{result.profile.layer_kl(layer, p):.4g}"))
     return rows
 
 
