@@ -1,4 +1,4 @@
-"""Per-token decode latency and KV memory on SmolLM2, every cache variant in one run.
+"""Per-token decode latency and memory on SmolLM2, every cache variant in one run.
 
 Variants: eager fp cache (transformers DynamicCache + SDPA), eager kvq (dynamic quantized cache),
 compiled fp (transformers StaticCache + torch.compile), compiled kvq (static quantized cache +
@@ -10,7 +10,16 @@ warm-up, with `--threads` threads. Static-shaped programs (compiled static cache
 ONNX) do the same work at every position of a cache of a given capacity (attention runs over the
 whole capacity under the mask), so they are timed with capacity = cached tokens + steps; the
 ExecuTorch program cannot be filled any faster than one token per call, so it is timed from
-position 0 of such a program. Memory: bytes of the KV tensors each variant holds at that length.
+position 0 of such a program.
+
+Memory, two figures: the bytes of the KV tensors each variant holds at that length, and the
+process's peak resident memory during the timed decode steps (Linux VmHWM, reset after warm-up
+and compilation). Each (variant, length) runs in a fresh Python process, so one variant's
+allocations, compiled code or runtime session never count against another. The torch variants
+hold the torch model; the ExecuTorch and onnxruntime ones drop it after export and hold the
+runtime's own copy of the weights, so the peaks compare like with like ("one model + its cache +
+what a decode step allocates"). `step MiB` is the growth during the steps over the resident size
+just before them: what a decode step allocates beyond what is already held.
 
     python benchmarks/decode_step.py --lengths 512,2048,8192 --preset kivi-4
 """
@@ -18,28 +27,50 @@ position 0 of such a program. Memory: bytes of the KV tensors each variant holds
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from datetime import date
 from pathlib import Path
 
 import torch
 
-import kvq_ao  # noqa: F401
-from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
-from kvq_ao.models import load_model, pydoc_text
+VARIANTS = ("eager-fp", "quanto-4", "compiled-fp", "eager-kvq", "compiled-kvq", "executorch", "onnx")
 
 
-def _median_ms(step, steps: int, warmup: int = 2) -> float:
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status: peak memory needs Linux")
+
+
+def _reset_peak() -> float:
+    """Return freed heap to the OS and restart the kernel's high-water mark; the resident MiB now."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_mib("VmRSS")
+
+
+def _measure(step, steps: int, warmup: int = 2) -> dict:
+    """Median ms of `step(i)` over `steps` calls after `warmup` calls (compilation happens there),
+    with the peak resident memory of the timed calls."""
+    for i in range(warmup):
+        step(i)
+    rss_before = _reset_peak()
     times = []
-    for i in range(warmup + steps):
+    for i in range(warmup, warmup + steps):
         t0 = time.perf_counter()
         step(i)
-        if i >= warmup:
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
+        times.append(1000 * (time.perf_counter() - t0))
+    peak = _status_mib("VmHWM")
+    return dict(ms_per_token=statistics.median(times), peak_rss_mib=peak, step_mib=peak - rss_before)
 
 
 @torch.no_grad()
@@ -48,69 +79,93 @@ def _prefill(model, cache, ids: torch.Tensor, chunk: int = 512) -> None:
         model(ids[:, s : s + chunk], cache=cache)
 
 
+def _fp_bytes(cache) -> int:
+    return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size() for l in cache.layers)
+
+
 @torch.no_grad()
-def bench_length(model, cfg, ids: torch.Tensor, steps: int, out_dir: Path, skip: set[str], rows: list[dict], save) -> None:
-    """All variants at one cached-token count (ids.shape[1]), appended to `rows`; `save()` runs after
-    each row so a long run that is stopped keeps what it measured. `skip` names variants to leave out."""
+def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path) -> dict:
+    """One variant at `n` cached tokens, in this (fresh) process: a result row."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
-    n = ids.shape[1]
-    token = torch.tensor([[42]])
+    from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+    from kvq_ao.models import load_model, pydoc_text
 
-    def add(name, ms, kv_bytes):
-        rows.append(dict(variant=name, cached_tokens=n, ms_per_token=ms, kv_bytes=kv_bytes))
-        print(json.dumps(rows[-1]), flush=True)
-        save()
-
-    def eager(cache):
-        _prefill(model, cache, ids)
-        return _median_ms(lambda i: model(token, cache=cache), steps)
-
+    model, tok = load_model("smollm2")
     model.set_attn_implementation("sdpa")
-    if "eager-fp" not in skip:
+    ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids[:, :n]
+    cfg = KVQuantConfig.preset(preset)
+    token = torch.tensor([[42]])
+    capacity = n + steps + 4
+    name = {"eager-fp": "eager-fp", "quanto-4": "transformers-quanto-4", "compiled-fp": "compiled-fp-static"}.get(
+        variant, f"{variant.replace('onnx', 'onnxruntime')}-{cfg.name}"
+    )
+
+    def eager(cache) -> dict:
+        _prefill(model, cache, ids)
+        return _measure(lambda i: model(token, cache=cache), steps)
+
+    if variant == "eager-fp":
         cache = DynamicCache(config=model.config)
-        add("eager-fp", eager(cache), sum(l.keys.numel() * 4 + l.values.numel() * 4 for l in cache.layers))
-    if "quanto-4" not in skip:
-        try:
-            cache = QuantizedCache(backend="quanto", config=model.config, nbits=4)
-            add("transformers-quanto-4", eager(cache), None)
-        except Exception as e:  # reported, not hidden: the peer's failure is a result too
-            rows.append(dict(variant="transformers-quanto-4", cached_tokens=n, error=str(e)[:200]))
-            print(json.dumps(rows[-1]), flush=True)
-    if "compiled-fp" not in skip:
-        cache = StaticCache(config=model.config, max_cache_len=n + steps + 4)
+        row = eager(cache) | dict(kv_bytes=_fp_bytes(cache))
+    elif variant == "quanto-4":
+        cache = QuantizedCache(backend="quanto", config=model.config, nbits=4)
+        row = eager(cache) | dict(kv_bytes=None)
+    elif variant == "compiled-fp":
+        cache = StaticCache(config=model.config, max_cache_len=capacity)
         _prefill(model, cache, ids)
         step = torch.compile(lambda t: model(t, cache=cache).logits, fullgraph=True)
-        add("compiled-fp-static", _median_ms(lambda i: step(token), steps), sum(l.keys.numel() * 4 + l.values.numel() * 4 for l in cache.layers))
-    quantize_kv_(model, cfg)
-    if "eager-kvq" not in skip:
+        row = _measure(lambda i: step(token), steps) | dict(kv_bytes=_fp_bytes(cache))
+    elif variant == "eager-kvq":
+        quantize_kv_(model, cfg)
         cache = make_cache(model, cfg)
-        add(f"eager-kvq-{cfg.name}", eager(cache), cache.tensor_bytes())
-    if "compiled-kvq" not in skip:
-        cache = make_cache(model, cfg, max_cache_len=n + steps + 4)
+        row = eager(cache) | dict(kv_bytes=cache.tensor_bytes())
+    elif variant == "compiled-kvq":
+        quantize_kv_(model, cfg)
+        cache = make_cache(model, cfg, max_cache_len=capacity)
         _prefill(model, cache, ids)
         step = torch.compile(lambda t: model(t, cache=cache).logits, fullgraph=True)
-        add(f"compiled-kvq-{cfg.name}", _median_ms(lambda i: step(token), steps), cache.tensor_bytes())
-    if "executorch" not in skip:
+        row = _measure(lambda i: step(token), steps) | dict(kv_bytes=cache.tensor_bytes())
+    elif variant == "executorch":
         from kvq_ao.export import export_executorch
         from kvq_ao.export.executorch import ExecuTorchRunner
 
-        pte = export_executorch(model, cfg, out_dir / f"bench-{n}.pte", max_seq_len=n + steps + 4)
+        quantize_kv_(model, cfg)
+        pte = export_executorch(model, cfg, out_dir / f"bench-{n}.pte", max_seq_len=capacity)
+        del model
         runner = ExecuTorchRunner(pte.path)
-        add(f"executorch-{cfg.name}", _median_ms(lambda i: runner.step(42, i), steps), pte.cache_bytes)
-    if "onnx" not in skip:
+        row = _measure(lambda i: runner.step(42, i), steps) | dict(kv_bytes=pte.cache_bytes)
+    elif variant == "onnx":
         from kvq_ao.export import export_onnx
         from kvq_ao.export.decoder import DecodeStep
         from kvq_ao.export.onnx import OnnxRunner
 
-        path = export_onnx(model, cfg, out_dir / f"bench-{n}.onnx", max_seq_len=n + steps + 4)
-        runner = OnnxRunner(path)
+        quantize_kv_(model, cfg)
+        path = export_onnx(model, cfg, out_dir / f"bench-{n}.onnx", max_seq_len=capacity)
         # Fill the ONNX cache from an eager decode step's cache (same format) to time at position n.
-        filled = DecodeStep(model, cfg, n + steps + 4)
+        filled = DecodeStep(model, cfg, capacity)
         _prefill(model, filled.cache, ids)
-        runner.past = {k: t.numpy() for k, t in zip(filled.cache_names(), filled.cache_tensors())}
-        add(f"onnxruntime-{cfg.name}", _median_ms(lambda i: runner.step(42, n + i), steps),
-            sum(t.numel() * t.element_size() for t in filled.cache_tensors()))  # fmt: skip
+        past = {k: t.numpy().copy() for k, t in zip(filled.cache_names(), filled.cache_tensors())}
+        kv_bytes = sum(v.nbytes for v in past.values())
+        del model, filled
+        runner = OnnxRunner(path)
+        runner.past = past
+        row = _measure(lambda i: runner.step(42, n + i), steps) | dict(kv_bytes=kv_bytes)
+    else:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    return dict(variant=name, cached_tokens=n) | row
+
+
+def _run_in_child(variant: str, n: int, args) -> dict:
+    """`measure_variant` in a fresh interpreter; its failure becomes a row (a peer's failure is a result too)."""
+    cmd = [sys.executable, __file__, "--child", variant, "--lengths", str(n), "--preset", args.preset,
+           "--steps", str(args.steps), "--threads", str(args.threads), "--work-dir", args.work_dir]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith('{"variant"')]
+    if proc.returncode == 0 and rows:
+        return json.loads(rows[-1])
+    error = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(variant=variant, cached_tokens=n, error=error[:300])
 
 
 def main() -> None:
@@ -119,39 +174,41 @@ def main() -> None:
     parser.add_argument("--preset", default="kivi-4")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip", default="", help="comma-separated variants to skip")
+    parser.add_argument("--skip", default="", help=f"comma-separated variants to skip, of {', '.join(VARIANTS)}")
     parser.add_argument("--export-lengths", default="512",
                         help="lengths at which to export and time ExecuTorch/ONNX (each export of SmolLM2 takes minutes)")
     parser.add_argument("--out", default="results/decode_step.json")
     parser.add_argument("--work-dir", default="/tmp/kvq-bench")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: measure one variant in this process
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.work_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model, tok = load_model("smollm2")
-    text_ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids
-    cfg = KVQuantConfig.preset(args.preset)
+    if args.child:
+        print(json.dumps(measure_variant(args.child, int(args.lengths), args.preset, args.steps, out_dir)), flush=True)
+        return
+
     rows: list[dict] = []
-
-    def save() -> None:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
-
     for n in [int(x) for x in args.lengths.split(",")]:
         skip = set(args.skip.split(","))
         if str(n) not in args.export_lengths.split(","):
             skip |= {"executorch", "onnx"}
-        bench_length(model, cfg, text_ids[:, :n], args.steps, out_dir, skip, rows, save)
-    base = {r["cached_tokens"]: r["ms_per_token"] for r in rows if r.get("variant") == "eager-fp"}
+        for variant in [v for v in VARIANTS if v not in skip]:
+            rows.append(_run_in_child(variant, n, args))
+            print(json.dumps(rows[-1]), flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # saved after every row: a stopped run keeps its rows
+            Path(args.out).write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
+    base = {r["cached_tokens"]: r["ms_per_token"] for r in rows if r.get("variant") == "eager-fp" and "ms_per_token" in r}
     print(f"\nSmolLM2-135M decode step, batch 1, {args.threads} threads, {platform.processor() or platform.machine()}, {date.today()}")
-    print(f"{'variant':28} {'tokens':>7} {'ms/token':>9} {'vs eager fp':>11} {'KV MiB':>8}")
+    print(f"{'variant':28} {'tokens':>7} {'ms/token':>9} {'vs eager fp':>11} {'KV MiB':>8} {'peak RSS MiB':>12} {'step MiB':>9}")
     for r in rows:
         if "ms_per_token" not in r:
             print(f"{r['variant']:28} {r['cached_tokens']:>7}   failed: {r['error']}")
             continue
         ratio = r["ms_per_token"] / base[r["cached_tokens"]] if r["cached_tokens"] in base else float("nan")
         kv = f"{r['kv_bytes'] / 2**20:8.1f}" if r["kv_bytes"] else "       -"
-        print(f"{r['variant']:28} {r['cached_tokens']:>7} {r['ms_per_token']:9.2f} {ratio:11.2f} {kv}")
+        print(f"{r['variant']:28} {r['cached_tokens']:>7} {r['ms_per_token']:9.2f} {ratio:11.2f} {kv} "
+              f"{r['peak_rss_mib']:12.0f} {r['step_mib']:9.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
