@@ -8,10 +8,11 @@ made here on first use); each ablation changes one thing of `kvquant-B-1pct` and
 for itself. Prints a markdown table and writes results/kvquant.json.
 
     python benchmarks/kvquant_quality.py [--bits 3,2] [--presets a,b] [--skip-ablations]
-    python benchmarks/kvquant_quality.py --presets kvquant-3-1pct --residual 128 --skip-ablations
+    python benchmarks/kvquant_quality.py --presets kvquant-3-1pct --sink 1 --residual 0 --skip-ablations
 
-`--residual N` evaluates the presets with an N-token full-precision window on top (KIVI's recipe;
-the same calibration, which the window does not change), as rows labelled `<preset>+r<N>`.
+`--sink S` / `--residual N` evaluate the presets with another layout (S sink tokens, an N-token
+full-precision window), as rows labelled `<preset> [sink S, window N]`: the paper's layout is
+`--sink 1 --residual 0`. A changed sink is calibrated for itself; the window needs no calibration.
 """
 
 import argparse
@@ -33,8 +34,9 @@ PRESETS = ["kivi-4", "kivi-3", "kivi-2", "kvquant-4", "kvquant-4-1pct", "kvquant
 
 
 def ablations(bits: int) -> list[tuple[str, KVQuantConfig, dict]]:
-    """(label, config, calibrate kwargs): each changes one thing of kvquant-<bits>-1pct."""
-    base = KVQuantConfig.preset(f"kvquant-{bits}-1pct")
+    """(label, config, calibrate kwargs): each changes one thing of kvquant-<bits>-1pct in the
+    paper's layout (a 1-token sink, no full-precision window), the parts KVQuant's paper ablates."""
+    base = dataclasses.replace(KVQuantConfig.preset(f"kvquant-{bits}-1pct"), sink_tokens=1, residual_length=0)
     k, v = base.default.key, base.default.value
 
     def with_dtype(dtype):
@@ -45,7 +47,7 @@ def ablations(bits: int) -> list[tuple[str, KVQuantConfig, dict]]:
         ("uniform int instead of nuq", with_dtype("int"), {}),
         ("NormalFloat levels instead of nuq", with_dtype("nf"), {}),
         ("post-RoPE keys", dataclasses.replace(base, pre_rope_keys=False), {}),
-        ("no outliers", KVQuantConfig.preset(f"kvquant-{bits}"), {}),
+        ("no outliers", dataclasses.replace(base, default=LayerKV(dataclasses.replace(k, outliers=0.0), dataclasses.replace(v, outliers=0.0))), {}),
         ("no sink token", dataclasses.replace(base, sink_tokens=0), {}),
         ("unweighted k-means", base, {"fisher": False}),
     ]
@@ -60,7 +62,8 @@ def main() -> None:
     parser.add_argument("--ablation-windows", type=int, default=4, help="windows for the ablation rows (4 x 1025 = 4096 tokens)")
     parser.add_argument("--window-len", type=int, default=1025)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--residual", type=int, default=None, help="add an N-token fp window to the presets")
+    parser.add_argument("--residual", type=int, default=None, help="evaluate the presets with an N-token fp window instead of theirs")
+    parser.add_argument("--sink", type=int, default=None, help="evaluate the presets with S sink tokens instead of theirs (calibrated for it)")
     parser.add_argument("--out", default="results/kvquant.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,9 +87,14 @@ def main() -> None:
 
     for name in [p for p in args.presets.split(",") if p]:
         config = KVQuantConfig.preset(name)  # calibrates on first use (user cache)
-        if args.residual is not None:  # the preset's own calibration (found by name) serves the variant
-            config = dataclasses.replace(config, residual_length=args.residual)
-            name = f"{name}+r{args.residual}"
+        if args.residual is not None or args.sink is not None:
+            sink = config.sink_tokens if args.sink is None else args.sink
+            window = config.residual_length if args.residual is None else args.residual
+            changed = dataclasses.replace(config, sink_tokens=sink, residual_length=window)
+            if config.needs_calibration and sink != config.sink_tokens:  # the fit depends on the sink, not the window
+                path = calibrate(model, calib_ids, changed).save(Path("/tmp/kvq-layout") / f"{name}-sink{sink}.json")
+                changed = dataclasses.replace(changed, calibration=str(path))
+            config, name = changed, f"{name} [sink {sink}, window {window}]"
         run("presets", name, config)
     if not args.skip_ablations:
         acts = {}

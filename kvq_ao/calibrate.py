@@ -67,12 +67,21 @@ class Calibration:
             raise ValueError(f"calibration {self.name!r} was made for a model with {model['num_layers']} layers, "
                              f"this model has {num_layers}")  # fmt: skip
         made_for = KVQuantConfig.from_dict(self.meta["config"])
-        if (made_for.resolve(num_layers), made_for.pre_rope_keys, made_for.sink_tokens) != (
-            config.resolve(num_layers), config.pre_rope_keys, config.sink_tokens,
-        ):  # fmt: skip
+        if not self.made_for(config, num_layers):
             raise ValueError(f"calibration {self.name!r} was made for config {made_for.name!r}, whose layer specs, "
                              f"pre_rope_keys or sink_tokens differ from {config.name!r}; calibrate this config "
                              f"(kvq calibrate --preset/--config)")  # fmt: skip
+
+    def made_for(self, config: KVQuantConfig, num_layers: int) -> bool:
+        """Whether this calibration fits `config`: the same layer specs, key placement and sink (what
+        the fit depends on; the full-precision window does not change what gets quantized how)."""
+        made_for = KVQuantConfig.from_dict(self.meta["config"])
+        try:
+            return (made_for.resolve(num_layers), made_for.pre_rope_keys, made_for.sink_tokens) == (
+                config.resolve(num_layers), config.pre_rope_keys, config.sink_tokens,
+            )  # fmt: skip
+        except ValueError:  # a per-layer config for another layer count
+            return False
 
     def check_model(self, num_layers: int, kv_heads: int, head_dim: int) -> None:
         model = self.meta["model"]
@@ -414,9 +423,12 @@ def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.
         calib = Calibration.load(config.calibration)
     else:
         path = default_path(model, config)
-        if path.exists():
-            calib = Calibration.load(path)
-        else:
+        calib = Calibration.load(path) if path.exists() else None
+        if calib is not None and not calib.made_for(config, dims[0]):
+            # The user cache is ours: a preset whose layout changed between versions is remade, not refused.
+            log(f"kvq_ao: the cached calibration {path} was made for another layout of {config.name!r}; recalibrating")
+            calib = None
+        if calib is None:
             from kvq_ao.models import pydoc_text
 
             log(f"kvq_ao: no calibration of {config.name!r} for {model_key(model)} yet; calibrating on pydoc "

@@ -289,6 +289,15 @@ def test_auto_calibration_is_made_on_first_use_under_no_grad_and_reused(monkeypa
     quantize_kv_(other, cfg)
     make_cache(other)
     assert not any("calibrating" in m for m in messages)
+    # The same name with another layout (a preset changed between versions): remade, not refused.
+    moved = dataclasses.replace(cfg, sink_tokens=cfg.sink_tokens + 2)
+    other.kvq_tokenizer = model.kvq_tokenizer
+    quantize_kv_(other, moved)
+    make_cache(other)
+    assert any("another layout" in m for m in messages)
+    assert Calibration.load(written[0]).made_for(moved, other.config.num_hidden_layers)
+    with pytest.raises(ValueError, match="sink_tokens differ"):  # an explicit path stays strict
+        make_cache(other, dataclasses.replace(cfg, calibration=str(written[0])))
 
 
 class _WordTokenizer:
