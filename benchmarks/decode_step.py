@@ -16,8 +16,9 @@ Memory, two figures: the bytes of the KV tensors each variant holds at that leng
 process's peak resident memory during the timed decode steps (Linux VmHWM, reset after warm-up
 and compilation). Each (variant, length) runs in a fresh Python process, so one variant's
 allocations, compiled code or runtime session never count against another. The torch variants
-hold the torch model; the ExecuTorch and onnxruntime ones drop it after export and hold the
-runtime's own copy of the weights, so the peaks compare like with like ("one model + its cache +
+hold the torch model; the ExecuTorch and onnxruntime ones are exported in a process of their own and
+timed in one that loads only the artifact (the runtime's own copy of the weights), so the peaks
+compare like with like ("one model + its cache +
 what a decode step allocates"). `step MiB` is the growth during the steps over the resident size
 just before them: what a decode step allocates beyond what is already held.
 
@@ -84,6 +85,34 @@ def _fp_bytes(cache) -> int:
 
 
 @torch.no_grad()
+def prepare_artifact(variant: str, n: int, preset: str, steps: int, out_dir: Path) -> None:
+    """Export the .pte / .onnx for `n` cached tokens (and, for ONNX, the cache filled to position n
+    by an eager decode step of the same format), in a process of its own, so the process that
+    times the runtime holds only the runtime and its artifact, as a deployment would."""
+    import numpy as np
+
+    from kvq_ao import KVQuantConfig, quantize_kv_
+    from kvq_ao.export import export_executorch, export_onnx
+    from kvq_ao.export.decoder import DecodeStep
+    from kvq_ao.models import load_model, pydoc_text
+
+    model, tok = load_model("smollm2")
+    cfg = KVQuantConfig.preset(preset)
+    quantize_kv_(model, cfg)
+    capacity = n + steps + 4
+    if variant == "executorch":
+        pte = export_executorch(model, cfg, out_dir / f"bench-{n}.pte", max_seq_len=capacity)
+        (out_dir / f"bench-{n}.pte.json").write_text(json.dumps(dict(kv_bytes=pte.cache_bytes)))
+    elif variant == "onnx":
+        export_onnx(model, cfg, out_dir / f"bench-{n}.onnx", max_seq_len=capacity)
+        filled = DecodeStep(model, cfg, capacity)
+        _prefill(model, filled.cache, tok(pydoc_text("eval"), return_tensors="pt").input_ids[:, :n])
+        np.savez(out_dir / f"bench-{n}.filled.npz", **{k: t.numpy() for k, t in zip(filled.cache_names(), filled.cache_tensors())})
+    else:
+        raise ValueError(f"{variant!r} has no artifact to prepare")
+
+
+@torch.no_grad()
 def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path) -> dict:
     """One variant at `n` cached tokens, in this (fresh) process: a result row."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
@@ -91,15 +120,16 @@ def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path
     from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
     from kvq_ao.models import load_model, pydoc_text
 
-    model, tok = load_model("smollm2")
-    model.set_attn_implementation("sdpa")
-    ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids[:, :n]
     cfg = KVQuantConfig.preset(preset)
-    token = torch.tensor([[42]])
-    capacity = n + steps + 4
     name = {"eager-fp": "eager-fp", "quanto-4": "transformers-quanto-4", "compiled-fp": "compiled-fp-static"}.get(
         variant, f"{variant.replace('onnx', 'onnxruntime')}-{cfg.name}"
     )
+    token = torch.tensor([[42]])
+    capacity = n + steps + 4
+    if variant not in ("executorch", "onnx"):  # the runtimes' processes hold no torch model
+        model, tok = load_model("smollm2")
+        model.set_attn_implementation("sdpa")
+        ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids[:, :n]
 
     def eager(cache) -> dict:
         _prefill(model, cache, ids)
@@ -126,41 +156,36 @@ def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path
         _prefill(model, cache, ids)
         step = torch.compile(lambda t: model(t, cache=cache).logits, fullgraph=True)
         row = _measure(lambda i: step(token), steps) | dict(kv_bytes=cache.tensor_bytes())
-    elif variant == "executorch":
-        from kvq_ao.export import export_executorch
+    elif variant == "executorch":  # the artifact comes from a `prepare` process: this one holds no torch model
         from kvq_ao.export.executorch import ExecuTorchRunner
 
-        quantize_kv_(model, cfg)
-        pte = export_executorch(model, cfg, out_dir / f"bench-{n}.pte", max_seq_len=capacity)
-        del model
-        runner = ExecuTorchRunner(pte.path)
-        row = _measure(lambda i: runner.step(42, i), steps) | dict(kv_bytes=pte.cache_bytes)
+        meta = json.loads((out_dir / f"bench-{n}.pte.json").read_text())
+        runner = ExecuTorchRunner(out_dir / f"bench-{n}.pte")
+        row = _measure(lambda i: runner.step(42, i), steps) | dict(kv_bytes=meta["kv_bytes"])
     elif variant == "onnx":
-        from kvq_ao.export import export_onnx
-        from kvq_ao.export.decoder import DecodeStep
+        import numpy as np
+
         from kvq_ao.export.onnx import OnnxRunner
 
-        quantize_kv_(model, cfg)
-        path = export_onnx(model, cfg, out_dir / f"bench-{n}.onnx", max_seq_len=capacity)
-        # Fill the ONNX cache from an eager decode step's cache (same format) to time at position n.
-        filled = DecodeStep(model, cfg, capacity)
-        _prefill(model, filled.cache, ids)
-        past = {k: t.numpy().copy() for k, t in zip(filled.cache_names(), filled.cache_tensors())}
-        kv_bytes = sum(v.nbytes for v in past.values())
-        del model, filled
-        runner = OnnxRunner(path)
-        runner.past = past
-        row = _measure(lambda i: runner.step(42, n + i), steps) | dict(kv_bytes=kv_bytes)
+        runner = OnnxRunner(out_dir / f"bench-{n}.onnx")
+        with np.load(out_dir / f"bench-{n}.filled.npz") as filled:  # the cache at position n, from eager
+            runner.past = {k: filled[k] for k in runner.names}
+        row = _measure(lambda i: runner.step(42, n + i), steps) | dict(kv_bytes=sum(v.nbytes for v in runner.past.values()))
     else:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     return dict(variant=name, cached_tokens=n) | row
 
 
 def _run_in_child(variant: str, n: int, args) -> dict:
-    """`measure_variant` in a fresh interpreter; its failure becomes a row (a peer's failure is a result too)."""
-    cmd = [sys.executable, __file__, "--child", variant, "--lengths", str(n), "--preset", args.preset,
-           "--steps", str(args.steps), "--threads", str(args.threads), "--work-dir", args.work_dir]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    """`measure_variant` in a fresh interpreter (after `prepare_artifact` in another, for the
+    runtimes); a failure becomes a row (a peer's failure is a result too)."""
+    common = ["--lengths", str(n), "--preset", args.preset, "--steps", str(args.steps), "--threads", str(args.threads),
+              "--work-dir", args.work_dir]  # fmt: skip
+    if variant in ("executorch", "onnx"):
+        proc = subprocess.run([sys.executable, __file__, "--prepare", variant, *common], capture_output=True, text=True)
+        if proc.returncode != 0:
+            return dict(variant=variant, cached_tokens=n, error="export: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:300])
+    proc = subprocess.run([sys.executable, __file__, "--child", variant, *common], capture_output=True, text=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith('{"variant"')]
     if proc.returncode == 0 and rows:
         return json.loads(rows[-1])
@@ -180,10 +205,14 @@ def main() -> None:
     parser.add_argument("--out", default="results/decode_step.json")
     parser.add_argument("--work-dir", default="/tmp/kvq-bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: measure one variant in this process
+    parser.add_argument("--prepare", help=argparse.SUPPRESS)  # internal: export one runtime's artifact
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.work_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.prepare:
+        prepare_artifact(args.prepare, int(args.lengths), args.preset, args.steps, out_dir)
+        return
     if args.child:
         print(json.dumps(measure_variant(args.child, int(args.lengths), args.preset, args.steps, out_dir)), flush=True)
         return
