@@ -99,7 +99,7 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path):
 
 def test_cli_calibrate_then_eval_a_kvquant_preset(smollm2, tmp_path):
     """`kvq calibrate` writes the artifact a preset then uses through --calibration; the 4-bit
-    KVQuant cache stays within 3% of fp perplexity on one held-out window (1.5% on 8192 tokens
+    KVQuant cache stays within 3% of fp perplexity on one held-out window (0.6% on 8192 tokens
     in the README table)."""
     path = tmp_path / "kvquant-4-1pct.json"
     run = lambda *a: subprocess.run([sys.executable, "-m", "kvq_ao.cli", *a], capture_output=True, text=True, check=True)  # noqa: E731
