@@ -85,6 +85,13 @@ def main() -> None:
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=saved), indent=2) + "\n")
 
+    acts = {}  # calibration activations per pre_rope_keys setting: one pass over the model serves every fit
+
+    def activations(pre_rope: bool):
+        if pre_rope not in acts:
+            acts[pre_rope] = collect(model, calib_ids, pre_rope)
+        return acts[pre_rope]
+
     for name in [p for p in args.presets.split(",") if p]:
         config = KVQuantConfig.preset(name)  # calibrates on first use (user cache)
         if args.residual is not None or args.sink is not None:
@@ -92,18 +99,15 @@ def main() -> None:
             window = config.residual_length if args.residual is None else args.residual
             changed = dataclasses.replace(config, sink_tokens=sink, residual_length=window)
             if config.needs_calibration and sink != config.sink_tokens:  # the fit depends on the sink, not the window
-                path = calibrate(model, calib_ids, changed).save(Path("/tmp/kvq-layout") / f"{name}-sink{sink}.json")
+                path = calibrate(model, None, changed, activations=activations(changed.pre_rope_keys)).save(Path("/tmp/kvq-layout") / f"{name}-sink{sink}.json")
                 changed = dataclasses.replace(changed, calibration=str(path))
             config, name = changed, f"{name} [sink {sink}, window {window}]"
         run("presets", name, config)
     if not args.skip_ablations:
-        acts = {}
         for bits in [int(b) for b in args.bits.split(",")]:
             for label, config, kwargs in ablations(bits):
-                if config.pre_rope_keys not in acts:
-                    acts[config.pre_rope_keys] = collect(model, calib_ids, config.pre_rope_keys)
                 if config.needs_calibration:
-                    calib = calibrate(model, None, config, activations=acts[config.pre_rope_keys], **kwargs)
+                    calib = calibrate(model, None, config, activations=activations(config.pre_rope_keys), **kwargs)
                     path = calib.save(Path("/tmp/kvq-ablation") / f"{bits}-{abs(hash(label))}.json")
                     config = dataclasses.replace(config, calibration=str(path))
                 run(f"ablation-{bits}bit", label, dataclasses.replace(config, name=f"{bits}bit: {label}"))
