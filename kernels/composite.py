@@ -128,9 +128,9 @@ def attention(
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         p = torch.exp(scores - top)
         denom = p.sum(-1, keepdim=True)
-        p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
         p_body, p_side = p[..., :t], p[..., t:]
         out = (p_body.unsqueeze(-1) * v.unsqueeze(2)).sum(-2) + (p_side.unsqueeze(-1) * sv.unsqueeze(2)).sum(-2)
+        out = out / torch.where(denom > 0, denom, torch.ones_like(denom))  # normalize D outputs, not T weights
         return out.reshape(b, hq, 1, -1).to(q.dtype)
     if pre_rope:
         k = rotate(k, torch.arange(t, device=k.device), rope_inv_freq, rope_scale)

@@ -184,6 +184,20 @@ def _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits
 
 # --------------------------------------------------------------------------- inductor fusion
 _FUSION_ENABLED = False
+_CACHE_ENTRY = "kvq_ao.kernels.composite"
+
+
+def implementation_digest() -> str:
+    """Hash of the sources inductor traces for the kvq ops (composite kernels and quant numerics)."""
+    import hashlib
+    import inspect
+
+    from kvq_ao.quant import codebook, outliers, packing, rope, uniform
+
+    digest = hashlib.sha256()
+    for module in (composite, packing, uniform, codebook, outliers, rope):
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:16]
 
 
 def enable_inductor_fusion() -> None:
@@ -197,9 +211,34 @@ def enable_inductor_fusion() -> None:
     global _FUSION_ENABLED
     if _FUSION_ENABLED:
         return
+    import torch._inductor.config as inductor_config
     from torch._inductor.decomposition import register_decomposition
+
+    # Inductor's graph caches key a custom op by its name only, so code compiled from an older
+    # composite would be reused after an upgrade (seen here: wrong attention after a packing
+    # change). Every config value is part of the cache keys: keying this entry on the traced
+    # sources makes a changed implementation miss the cache. (The entry names no function in any
+    # graph, so it marks nothing cacheable that was not.)
+    inductor_config.unsafe_marked_cacheable_functions = {
+        **inductor_config.unsafe_marked_cacheable_functions,
+        _CACHE_ENTRY: implementation_digest(),
+    }
 
     register_decomposition(torch.ops.kvq.quantize.default)(composite.quantize)
     register_decomposition(torch.ops.kvq.dequantize.default)(composite.dequantize)
-    register_decomposition(torch.ops.kvq.attention.default)(composite.attention)
+    register_decomposition(torch.ops.kvq.attention.default)(_attention_for_inductor)
     _FUSION_ENABLED = True
+
+
+def _attention_for_inductor(q: torch.Tensor, *args):
+    """The composite attention with q stored once before the loop over cached tokens.
+
+    Inductor inlines pointwise producers into their consumers: the model's RoPE of q (cos and sin
+    of position x inv_freq) was recomputed for every cached token inside the score reduction
+    (measured: most of a 8192-token decode step). Forcing q's layout makes inductor write it
+    to a buffer first. Only the inductor path does this; export traces `composite.attention`.
+    """
+    from torch._inductor import inductor_prims
+
+    return composite.attention(inductor_prims.force_stride_order(q, q.stride()), *args)
+

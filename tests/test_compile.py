@@ -81,3 +81,36 @@ def test_smollm2_compiled_generation_equals_eager_kivi4(smollm2):
     print("kivi-4 compiled:", tokenizer.decode(compiled[0, ids.shape[1] :]))
     assert torch.equal(eager, compiled)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_inductor_caches_are_keyed_on_the_traced_sources(monkeypatch):
+    """Inductor keys custom ops by name: without our entry, code compiled from an older composite
+    would be reused after an upgrade (it was, in this repo, after the packing layout changed)."""
+    import inspect
+
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from kvq_ao import ops
+
+    enable_inductor_fusion()
+    assert inductor_config.unsafe_marked_cacheable_functions[ops._CACHE_ENTRY] == ops.implementation_digest()
+    args = _case(1, 1, 4, 4, t=64, d=32)
+
+    def compile_once() -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)(*args)
+        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        return hits, counters["inductor"]["fxgraph_cache_miss"]
+
+    with fresh_cache():
+        assert compile_once() == (0, 1)
+        assert compile_once()[0] >= 1  # the caches are on: unchanged sources hit
+        other = {**inductor_config.unsafe_marked_cacheable_functions, ops._CACHE_ENTRY: "changed-sources"}
+        with inductor_config.patch(unsafe_marked_cacheable_functions=other):
+            assert compile_once() == (0, 1)
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda m: real(m) + ("#" if m.__name__.endswith("packing") else ""))
+    assert ops.implementation_digest() != inductor_config.unsafe_marked_cacheable_functions[ops._CACHE_ENTRY]

@@ -24,11 +24,23 @@ def test_pack_unpack_is_lossless(bits, lead, words, seed):
     assert torch.equal(unpack(packed, bits), codes)
 
 
-def test_three_bit_layout_matches_a_hand_computed_word():
-    # Eight 3-bit codes 0..7 form the little-endian 24-bit word sum(i << 3i).
-    word = sum(i << (3 * i) for i in range(8))
-    expected = torch.tensor([word & 255, (word >> 8) & 255, (word >> 16) & 255], dtype=torch.uint8)
-    assert torch.equal(pack(torch.arange(8, dtype=torch.uint8), 3), expected)
+def test_three_bit_layout_matches_hand_computed_planar_words():
+    # 16 codes = 8 planes of P = 2: word j holds codes j, 2 + j, 4 + j, ... at shifts 0, 3, 6, ...;
+    # its three bytes sit at j, P + j and 2P + j.
+    codes = torch.tensor([5, 1, 7, 0, 2, 6, 3, 3, 4, 1, 0, 7, 6, 2, 1, 5], dtype=torch.uint8)
+    words = [sum(int(codes[2 * i + j]) << (3 * i) for i in range(8)) for j in range(2)]
+    expected = [(w >> (8 * b)) & 255 for b in range(3) for w in words]
+    assert torch.equal(pack(codes, 3), torch.tensor(expected, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_byte_layout_matches_hand_computed_planar_bytes(bits):
+    # 8 codes in 8 / bits planes of P codes: byte j holds code i*P + j at shift i*bits.
+    codes = torch.tensor([3, 0, 2, 1, 1, 3, 0, 2], dtype=torch.uint8)
+    values = 8 // bits
+    p = 8 // values
+    expected = [sum(int(codes[i * p + j]) << (bits * i) for i in range(values)) for j in range(p)]
+    assert torch.equal(pack(codes, bits), torch.tensor(expected, dtype=torch.uint8))
 
 
 def test_packing_rejects_bad_widths_and_lengths():

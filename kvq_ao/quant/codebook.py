@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq_ao.quant.packing import pack, unpack
+from kvq_ao.quant.packing import pack, unpack_float
 from kvq_ao.quant.uniform import _grouped, _reduce_dim, check_shape, group_range
 
 CODEBOOK_BITS = (2, 3, 4)
@@ -78,7 +78,7 @@ def quantize_codebook(x: torch.Tensor, codebook: torch.Tensor, bits: int, axis: 
 def dequantize_codebook(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codebook: torch.Tensor,
                         bits: int, axis: int, group: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """Inverse of `quantize_codebook`: -> [..., T, D] in out_dtype."""
-    codes = unpack(packed, bits)
+    codes = unpack_float(packed, bits)
     levels = codebook.float()[codes.long()]
     g = _grouped(levels, axis, group)
     dim = _reduce_dim(axis)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq_ao.quant.packing import pack, unpack
+from kvq_ao.quant.packing import pack, unpack_float
 
 AXIS_TOKEN = 0
 AXIS_CHANNEL = 1
@@ -120,8 +120,8 @@ def dequantize_uniform(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of `quantize_uniform`: -> [..., T, D] in out_dtype."""
-    codes = unpack(packed, bits)
-    g = _grouped(codes, axis, group).to(torch.float32)
+    codes = unpack_float(packed, bits)
+    g = _grouped(codes, axis, group)
     dim = _reduce_dim(axis)
     x = g * scale.unsqueeze(dim).to(torch.float32) + zero.unsqueeze(dim).to(torch.float32)
     return x.reshape(codes.shape).to(out_dtype)
