@@ -30,10 +30,19 @@ ATTN_NAME = "kvq"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2")
 
 
+DYNAMIC_COMPILE_ERROR = (
+    "kvq_ao's quantized cache does not support torch.compile(dynamic=True): it makes the cache's format "
+    "(bits, group size, sink length) symbolic, and the kvq ops need them fixed. The static cache's decode "
+    "step has fixed shapes anyway: compile with dynamic=False or None (kvq_ao.api.compile_config() does)"
+)
+
+
 def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: quantized cache -> kvq.attention, else plain SDPA."""
     if not isinstance(key, QuantizedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if torch.compiler.is_compiling() and not torch._dynamo.config.assume_static_by_default:
+        raise RuntimeError(DYNAMIC_COMPILE_ERROR)
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("kvq attention expects the boolean 4-D mask built by the 'kvq' mask function")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

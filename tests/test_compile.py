@@ -59,6 +59,20 @@ def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_dynamic_compile_is_refused_with_a_clear_error():
+    """dynamic=True makes every int the cache reads (bits, group, sink) symbolic; the ops need them fixed."""
+    model = tiny_llama(seed=3)
+    quantize_kv_(model, KVQuantConfig.preset("kivi-2"))
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    cc = compile_config()
+    cc.dynamic = True
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"does not support torch.compile\(dynamic=True\)"), torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                       cache_implementation="static", compile_config=cc)  # fmt: skip
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_smollm2_compiled_generation_equals_eager_kivi4(smollm2):
     from kvq_ao.eval import CHAT_PROMPTS
