@@ -117,7 +117,8 @@ def main() -> None:
             if runtime == "onnx":
                 names = [n for n in runner.names if n.endswith(CODE_TENSORS)]
                 ours = {n: torch.from_numpy(runner.past[n]) for n in names}
-                theirs = {n: code_tensors(step)[n] for n in names}
+                eager_codes = code_tensors(step)  # cloned once, not once per name
+                theirs = {n: eager_codes[n] for n in names}
                 row["code_bytes_differing"], row["code_bytes"], row["first_layer_differing"] = differing_bytes(ours, theirs)
             rows.append(row)
             print(json.dumps(row), flush=True)
