@@ -22,7 +22,7 @@ import torch
 
 from kvq_ao.quant.codebook import dequantize_codebook, quantize_codebook
 from kvq_ao.quant.outliers import apply_outliers, split_outliers
-from kvq_ao.quant.rope import rotate, rotated_scores
+from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
 from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
 
 
@@ -44,14 +44,25 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: tor
 
 
 def dequantize(codes, scale, zero, codebook, out_val, out_idx, bits: int, axis: int, group: int,
-               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+               dtype: torch.dtype, select_levels: bool = False) -> torch.Tensor:  # fmt: skip
     if bits == 0:
         return codes.to(dtype)
     if codebook.numel() > 0:
-        x = dequantize_codebook(codes, scale, zero, codebook, bits, axis, group, torch.float32)
+        x = dequantize_codebook(codes, scale, zero, codebook, bits, axis, group, torch.float32, select_levels)
     else:
         x = dequantize_uniform(codes, scale, zero, bits, axis, group, torch.float32)
     return apply_outliers(x, out_val, out_idx).to(dtype)
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _into_buffer(x: torch.Tensor) -> torch.Tensor:
+    """Make inductor compute x into a buffer of its own (it would otherwise inline it into consumers)."""
+    from torch._inductor import inductor_prims
+
+    return inductor_prims.force_stride_order(x, x.stride())
 
 
 def _masks(mask, side_pos, body_start: int, body_end, t: int):
@@ -92,16 +103,28 @@ def attention(
     v_bits: int,
     v_axis: int,
     v_group: int,
+    *,
+    for_inductor: bool = False,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] over a quantized cache -> [B, Hq, Tq, Dv] in q's dtype.
 
     GQA: Hq must be a multiple of the cache's Hkv. `mask` is bool [B, 1 or Hq, Tq, T] (True =
     may attend) over the body's T positions; side entries use the mask column of their position.
     Queries with nothing to attend to return zeros (left padding).
+
+    `for_inductor` (the decomposition `kvq_ao.ops` registers) changes no value, only what
+    inductor's CPU code does with it, each measured at 8192 cached tokens: q, the cos/sin table
+    and the rotated keys go into buffers of their own (inductor otherwise inlines them into the
+    loop over cached tokens and recomputes them once per token and query head), and codebook
+    levels are looked up by selects (vectorizes; a gather does not). Export traces the default.
     """
+    realize = _into_buffer if for_inductor else _unchanged
+    q = realize(q)
     b, hq, tq, d = q.shape
-    k = dequantize(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, k_bits, k_axis, k_group, torch.float32)
-    v = dequantize(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, v_bits, v_axis, v_group, torch.float32)
+    k = dequantize(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, k_bits, k_axis, k_group, torch.float32,
+                   for_inductor)  # fmt: skip
+    v = dequantize(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, v_bits, v_axis, v_group, torch.float32,
+                   for_inductor)  # fmt: skip
     hkv, t = k.shape[1], k.shape[2]
     sk, sv = side_k.float(), side_v.float()
     pre_rope = rope_inv_freq.numel() > 0  # keys stored before RoPE: rotate each at its own position
@@ -115,9 +138,11 @@ def attention(
         # weighted sum into one loop without a [T, D] float buffer (SDPA would need one).
         qv = qf[:, :, :, 0, :]
         if pre_rope:
-            s_body = rotated_scores(qv, k, torch.arange(t, device=k.device), rope_inv_freq, rope_scale) * scaling
-        else:
-            s_body = (qv.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, T]
+            # Rotated keys [B, Hkv, T, D], realized once per kv head (not per query head), from a
+            # cos/sin table computed once per layer.
+            cos, sin = cos_sin(torch.arange(t, device=k.device), rope_inv_freq)
+            k = realize(rotate_with(k, realize(cos), realize(sin), rope_scale))
+        s_body = (qv.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, T]
         s_side = (qv.unsqueeze(3) * sk.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, S]
         # mask heads: 1 (shared) or Hq -> broadcast against [B, Hkv, n, positions]
         heads = (hkv, n) if body_mask.shape[1] > 1 else (1, 1)

@@ -230,15 +230,7 @@ def enable_inductor_fusion() -> None:
     _FUSION_ENABLED = True
 
 
-def _attention_for_inductor(q: torch.Tensor, *args):
-    """The composite attention with q stored once before the loop over cached tokens.
-
-    Inductor inlines pointwise producers into their consumers: the model's RoPE of q (cos and sin
-    of position x inv_freq) was recomputed for every cached token inside the score reduction
-    (measured: most of a 8192-token decode step). Forcing q's layout makes inductor write it
-    to a buffer first. Only the inductor path does this; export traces `composite.attention`.
-    """
-    from torch._inductor import inductor_prims
-
-    return composite.attention(inductor_prims.force_stride_order(q, q.stride()), *args)
-
+def _attention_for_inductor(*args):
+    """The composite attention in its inductor form (`for_inductor`: buffers for q and the RoPE
+    table, codebook levels by selects); same values, measured faster at long contexts."""
+    return composite.attention(*args, for_inductor=True)

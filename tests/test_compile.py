@@ -34,6 +34,18 @@ def test_compiled_decode_attention_is_fused_without_float_kv_buffer(bits, codebo
     assert "torch.ops.kvq.attention(" not in code  # traced and fused, not an extern call
 
 
+@pytest.mark.parametrize("bits, extra", [(4, dict(codebook=True, pre_rope=True)), (3, dict(codebook=True, pre_rope=True, outliers=1)),
+                                         (2, dict(pre_rope=True))], ids=["nuq4-prerope", "nuq3-prerope-outliers", "int2-prerope"])  # fmt: skip
+def test_compiled_decode_attention_with_kvquant_datatypes_matches_float64(bits, extra):
+    """The inductor form (q, RoPE table and rotated keys in buffers, codebook levels by selects)
+    against the float64 reference, at arbitrary side positions and a body that ends mid-cache."""
+    enable_inductor_fusion()
+    args = _case(1, 1, bits, bits, t=256, d=64, hq=9, hkv=3, body_end=200, **extra)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)
+    torch.testing.assert_close(compiled(*args).double(), _reference(args), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct"])
 def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
     model = tiny_llama(seed=3)

@@ -113,6 +113,9 @@ def test_codebook_quantization_picks_the_nearest_level(seed, bits, axis, group):
     best = (candidates - x.double().unsqueeze(-1)).abs().amin(-1)
     err = (deq - x.double()).abs()
     assert torch.all(err <= best + 1e-5 * (x.abs().max() + 1))
+    # the inductor form (levels by selects) gives the same values bit for bit
+    by_select = dequantize_codebook(packed, scale, zero, cb, bits, axis, group, torch.float32, select_levels=True)
+    assert torch.equal(by_select, dequantize_codebook(packed, scale, zero, cb, bits, axis, group, torch.float32))
 
 
 def test_weighted_kmeans_finds_known_clusters_and_follows_the_weights():

@@ -75,11 +75,25 @@ def quantize_codebook(x: torch.Tensor, codebook: torch.Tensor, bits: int, axis: 
     return pack(codes, bits), scale.squeeze(dim).to(scale_dtype), zero.squeeze(dim).to(scale_dtype)
 
 
+def _select_levels(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """levels[codes] for float-valued integer codes, as a chain of selects (exactly one matches)."""
+    out = torch.zeros_like(codes)
+    for i in range(levels.shape[0]):
+        out = torch.where(codes == i, levels[i], out)
+    return out
+
+
 def dequantize_codebook(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codebook: torch.Tensor,
-                        bits: int, axis: int, group: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
-    """Inverse of `quantize_codebook`: -> [..., T, D] in out_dtype."""
+                        bits: int, axis: int, group: int, out_dtype: torch.dtype = torch.float32,
+                        select_levels: bool = False) -> torch.Tensor:  # fmt: skip
+    """Inverse of `quantize_codebook`: -> [..., T, D] in out_dtype.
+
+    `select_levels` looks levels up by 2^bits selects instead of a gather: the same values, and
+    what inductor's CPU code vectorizes (it emits the gather as scalar loads; measured 1.5-2.5x
+    faster decode attention at 8192 tokens), while eager runs the gather ~13x faster.
+    """
     codes = unpack_float(packed, bits)
-    levels = codebook.float()[codes.long()]
+    levels = _select_levels(codes, codebook.float()) if select_levels else codebook.float()[codes.long()]
     g = _grouped(levels, axis, group)
     dim = _reduce_dim(axis)
     x = g * scale.unsqueeze(dim).float() + zero.unsqueeze(dim).float()
