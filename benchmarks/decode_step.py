@@ -44,6 +44,12 @@ import torch
 VARIANTS = ("eager-fp", "quanto-4", "compiled-fp", "eager-kvq", "compiled-kvq", "executorch", "onnx")
 
 
+def static_capacity(n: int, steps: int) -> int:
+    """Capacity of the static caches and exported programs timed at `n` cached tokens: the
+    timed steps plus warm-up room, the same in the exporting and the timing process."""
+    return n + steps + 4
+
+
 def _status_mib(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -99,7 +105,7 @@ def prepare_artifact(variant: str, n: int, preset: str, steps: int, out_dir: Pat
     model, tok = load_model("smollm2")
     cfg = KVQuantConfig.preset(preset)
     quantize_kv_(model, cfg)
-    capacity = n + steps + 4
+    capacity = static_capacity(n, steps)
     if variant == "executorch":
         pte = export_executorch(model, cfg, out_dir / f"bench-{n}.pte", max_seq_len=capacity)
         (out_dir / f"bench-{n}.pte.json").write_text(json.dumps(dict(kv_bytes=pte.cache_bytes)))
@@ -125,7 +131,7 @@ def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path
         variant, f"{variant.replace('onnx', 'onnxruntime')}-{cfg.name}"
     )
     token = torch.tensor([[42]])
-    capacity = n + steps + 4
+    capacity = static_capacity(n, steps)
     if variant not in ("executorch", "onnx"):  # the runtimes' processes hold no torch model
         model, tok = load_model("smollm2")
         model.set_attn_implementation("sdpa")

@@ -66,9 +66,9 @@ class Calibration:
         if model["num_layers"] != num_layers:
             raise ValueError(f"calibration {self.name!r} was made for a model with {model['num_layers']} layers, "
                              f"this model has {num_layers}")  # fmt: skip
-        made_for = KVQuantConfig.from_dict(self.meta["config"])
         if not self.made_for(config, num_layers):
-            raise ValueError(f"calibration {self.name!r} was made for config {made_for.name!r}, whose layer specs, "
+            made_for = self.meta["config"].get("name", "?")
+            raise ValueError(f"calibration {self.name!r} was made for config {made_for!r}, whose layer specs, "
                              f"pre_rope_keys or sink_tokens differ from {config.name!r}; calibrate this config "
                              f"(kvq calibrate --preset/--config)")  # fmt: skip
 

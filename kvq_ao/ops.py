@@ -188,14 +188,18 @@ _CACHE_ENTRY = "kvq_ao.kernels.composite"
 
 
 def implementation_digest() -> str:
-    """Hash of the sources inductor traces for the kvq ops (composite kernels and quant numerics)."""
+    """Hash of the sources inductor traces for the kvq ops: the composite kernels and every module
+    of `kvq_ao.quant` (found by listing the package, so a new numerics module is never left out)."""
     import hashlib
+    import importlib
     import inspect
+    import pkgutil
 
-    from kvq_ao.quant import codebook, outliers, packing, rope, uniform
+    import kvq_ao.quant
 
+    quant = [importlib.import_module(f"kvq_ao.quant.{m.name}") for m in pkgutil.iter_modules(kvq_ao.quant.__path__)]
     digest = hashlib.sha256()
-    for module in (composite, packing, uniform, codebook, outliers, rope):
+    for module in [composite, *sorted(quant, key=lambda m: m.__name__)]:
         digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()[:16]
 
