@@ -20,6 +20,7 @@ from kvq_ao.export.decoder import INITIALIZED, DecodeStep, greedy_generate, expo
 class ExportedPte:
     path: Path
     mutable_buffers: dict[str, tuple[torch.dtype, int]]  # name -> (dtype, bytes), as lowered
+    delegate_calls: int = 0  # calls into a backend delegate (XNNPACK) in the lowered program
 
     @property
     def cache_bytes(self) -> int:
@@ -39,18 +40,48 @@ def _mutable_buffers(program) -> dict[str, tuple[torch.dtype, int]]:
     return out
 
 
-def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_len: int = 256) -> ExportedPte:
-    """Write `path` (.pte): a one-token decode step whose KV cache is packed mutable buffers."""
+BACKENDS = ("xnnpack", "portable")
+
+
+def _partitioners(backend: str) -> list:
+    """What runs outside ExecuTorch's portable kernels.
+
+    "xnnpack" delegates the model's linear layers (the GEMMs, most of a decode step's work at these
+    lengths) to XNNPACK and leaves the cache ops, attention and the rest on the portable kernels.
+    Only linears: XNNPACK's default configs also take the many small pointwise ops around the
+    cache, which split the graph into ~480 delegate calls and made lowering SmolLM2 take 17 min
+    (measured), for no further gain the profile could show.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"ExecuTorch backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "portable":
+        return []
+    from executorch.backends.xnnpack.partition.config.gemm_configs import LinearConfig
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    return [XnnpackPartitioner(configs=[LinearConfig])]
+
+
+def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_len: int = 256,
+                      backend: str = "xnnpack") -> ExportedPte:  # fmt: skip
+    """Write `path` (.pte): a one-token decode step whose KV cache is packed mutable buffers.
+
+    backend: "xnnpack" (linear layers delegated to XNNPACK, the fast default) or "portable"
+    (every op on ExecuTorch's portable kernels: slow, but no delegate in the program).
+    """
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
+    partitioners = _partitioners(backend)
     step = DecodeStep(model, config, max_seq_len)
     program = export_decode_step(step)
-    edge = to_edge_transform_and_lower(program, constant_methods={"get_max_seq_len": max_seq_len})
+    edge = to_edge_transform_and_lower(program, partitioner=partitioners or None, constant_methods={"get_max_seq_len": max_seq_len})
     et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(list(INITIALIZED))]))
     path = Path(path)
     path.write_bytes(et.buffer)
-    return ExportedPte(path, _mutable_buffers(et.exported_program()))
+    lowered = et.exported_program()
+    delegates = sum(1 for n in lowered.graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
+    return ExportedPte(path, _mutable_buffers(lowered), delegates)
 
 
 class ExecuTorchRunner:

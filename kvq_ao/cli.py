@@ -225,8 +225,9 @@ def cmd_export(args) -> int:
     out = Path(args.out or f"{Path(args.model).stem}-{config.name}.{'pte' if args.format == 'executorch' else 'onnx'}")
     _log(f"exporting {args.model} with {config.name} to {out} (max_seq_len={args.max_seq_len}) ...")
     if args.format == "executorch":
-        result = export_executorch(model, config, out, max_seq_len=args.max_seq_len)
-        _log(f"wrote {out}: KV cache as {len(result.mutable_buffers)} mutable buffers, {result.cache_bytes / 2**20:.2f} MiB")
+        result = export_executorch(model, config, out, max_seq_len=args.max_seq_len, backend=args.backend)
+        _log(f"wrote {out} ({args.backend}): KV cache as {len(result.mutable_buffers)} mutable buffers, "
+             f"{result.cache_bytes / 2**20:.2f} MiB")  # fmt: skip
     else:
         export_onnx(model, config, out, max_seq_len=args.max_seq_len)
         _log(f"wrote {out} (+ {out.with_suffix('.cache_init.npz').name}, the empty cache)")
@@ -349,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["executorch", "onnx"], required=True)
     p.add_argument("--out", default=None, help="output path (.pte or .onnx)")
     p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--backend", choices=["xnnpack", "portable"], default="xnnpack",
+                   help="ExecuTorch only: linear layers on XNNPACK (fast) or every op on the portable kernels")  # fmt: skip
     p.add_argument("--prompt", default=None, help="after exporting, generate an answer with the artifact")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.set_defaults(func=cmd_export)

@@ -98,6 +98,21 @@ def _float16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).abs() / ulp
 
 
+def test_pte_delegates_its_linear_layers_to_xnnpack_by_default(exported):
+    _, pte, _ = exported
+    # per layer: q, k and v in one XNNPACK call (same input), o, gate and up in one, down; then the lm head
+    assert pte.delegate_calls == 2 * 4 + 1
+
+
+def test_portable_pte_without_delegates_matches_eager(tmp_path):
+    from kvq_ao.export.executorch import ExecuTorchRunner
+
+    pte = export_executorch(tiny_llama(), SHORT_WINDOW, tmp_path / "p.pte", max_seq_len=MAX_LEN, backend="portable")
+    assert pte.delegate_calls == 0
+    prompt = torch.randint(3, 128, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    _generate_and_compare(ExecuTorchRunner(pte.path), SHORT_WINDOW, prompt, "executorch-portable")
+
+
 def test_pte_cache_is_packed_and_its_bytes_match_the_memory_report(exported):
     cfg, pte, _ = exported
     step = DecodeStep(tiny_llama(), cfg, MAX_LEN)
@@ -149,6 +164,8 @@ def test_exporting_an_unsupported_model_or_config_is_a_clear_error(tmp_path):
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
         export_executorch(gpt2, KVQuantConfig.preset("kivi-4"), tmp_path / "x.pte")
+    with pytest.raises(ValueError, match="ExecuTorch backend must be one of"):
+        export_executorch(tiny_llama(), KVQuantConfig.preset("kivi-4"), tmp_path / "x.pte", backend="vulkan")
     bad = KVQuantConfig(layers=(KVQuantConfig.preset("int8").default,) * 5, name="five")
     with pytest.raises(ValueError, match="has 5 layer specs but the model has 2 layers"):
         export_onnx(tiny_llama(), bad, tmp_path / "x.onnx")
