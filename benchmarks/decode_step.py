@@ -2,7 +2,7 @@
 
 Variants: eager fp cache (transformers DynamicCache + SDPA), eager kvq (dynamic quantized cache),
 compiled fp (transformers StaticCache + torch.compile), compiled kvq (static quantized cache +
-torch.compile, fused decode attention), ExecuTorch (.pte, portable kernels), onnxruntime (.onnx),
+torch.compile, fused decode attention), ExecuTorch (.pte, linear layers on XNNPACK), onnxruntime (.onnx),
 and transformers' own QuantizedCache (quanto, 4-bit), at several cached-token counts.
 
 Latency: median wall time of one decode step (one new token, batch 1) over `--steps` steps after

@@ -85,6 +85,7 @@ def main() -> None:
                              "so no packed code is read unless this is smaller)")
     parser.add_argument("--sink", type=int, default=None, help="override sink_tokens")
     parser.add_argument("--runtimes", default="executorch,onnx", help="comma list; empty for none")
+    parser.add_argument("--backend", default="xnnpack", choices=["xnnpack", "portable"], help="ExecuTorch backend")
     parser.add_argument("--noise-floor", action="store_true", help="add the eager-vs-eager float64-linears row")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
@@ -103,7 +104,7 @@ def main() -> None:
             path = out_dir / f"smollm2-{preset}.{'pte' if runtime == 'executorch' else 'onnx'}"
             t0 = time.perf_counter()
             if runtime == "executorch":
-                export_executorch(model, cfg, path, max_seq_len=128)
+                export_executorch(model, cfg, path, max_seq_len=128, backend=args.backend)
                 runner = ExecuTorchRunner(path)
             else:
                 export_onnx(model, cfg, path, max_seq_len=128)
@@ -111,7 +112,8 @@ def main() -> None:
             export_s = time.perf_counter() - t0
             new, logits = runner.generate(ids, 32)
             eager, step = eager_run(model, cfg, ids + new[:-1])
-            row = dict(preset=cfg.name, body_end_layer0=int(step.cache.layers[0].body_end), runtime=runtime,
+            label = f"executorch-{args.backend}" if runtime == "executorch" else runtime
+            row = dict(preset=cfg.name, body_end_layer0=int(step.cache.layers[0].body_end), runtime=label,
                        export_s=round(export_s, 1), **compare(logits, eager, len(ids), new),
                        text=tok.decode(new, skip_special_tokens=True))  # fmt: skip
             if runtime == "onnx":
