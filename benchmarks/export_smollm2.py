@@ -25,7 +25,7 @@ import torch
 
 import kvq_ao  # noqa: F401
 from kvq_ao import KVQuantConfig
-from kvq_ao.export import export_executorch, export_onnx
+from kvq_ao.export import EXECUTORCH_BACKENDS, export_executorch, export_onnx
 from kvq_ao.export.decoder import DecodeStep, greedy_generate
 from kvq_ao.export.executorch import ExecuTorchRunner
 from kvq_ao.export.onnx import OnnxRunner
@@ -85,7 +85,7 @@ def main() -> None:
                              "so no packed code is read unless this is smaller)")
     parser.add_argument("--sink", type=int, default=None, help="override sink_tokens")
     parser.add_argument("--runtimes", default="executorch,onnx", help="comma list; empty for none")
-    parser.add_argument("--backend", default="xnnpack", choices=["xnnpack", "portable"], help="ExecuTorch backend")
+    parser.add_argument("--backend", default=EXECUTORCH_BACKENDS[0], choices=EXECUTORCH_BACKENDS, help="ExecuTorch backend")
     parser.add_argument("--noise-floor", action="store_true", help="add the eager-vs-eager float64-linears row")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)

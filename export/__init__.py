@@ -7,6 +7,9 @@
 executorch, onnx, onnxscript and onnxruntime are imported only when used.
 """
 
+# ExecuTorch backends of `export_executorch` (here, import-free, for the CLI's and benchmarks' choices).
+EXECUTORCH_BACKENDS = ("xnnpack", "portable")
+
 
 def export_executorch(*args, **kwargs):
     from kvq_ao.export.executorch import export_executorch as run
@@ -20,4 +23,4 @@ def export_onnx(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ["export_executorch", "export_onnx"]
+__all__ = ["EXECUTORCH_BACKENDS", "export_executorch", "export_onnx"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao.config import KVQuantConfig
+from kvq_ao.export import EXECUTORCH_BACKENDS
 from kvq_ao.export.decoder import INITIALIZED, DecodeStep, greedy_generate, export_decode_step
 
 
@@ -40,20 +41,18 @@ def _mutable_buffers(program) -> dict[str, tuple[torch.dtype, int]]:
     return out
 
 
-BACKENDS = ("xnnpack", "portable")
-
-
 def _partitioners(backend: str) -> list:
     """What runs outside ExecuTorch's portable kernels.
 
     "xnnpack" delegates the model's linear layers (the GEMMs, most of a decode step's work at these
     lengths) to XNNPACK and leaves the cache ops, attention and the rest on the portable kernels.
     Only linears: XNNPACK's default configs also take the many small pointwise ops around the
-    cache, which split the graph into ~480 delegate calls and made lowering SmolLM2 take 17 min
-    (measured), for no further gain the profile could show.
+    cache, which split SmolLM2's graph into 484 delegate calls and took 1025 s to lower (linears
+    only: 408 s) for 86 vs 107 ms per token at capacity 128 (the latter measured while a test job
+    shared the CPU): not worth 2.5x the lowering time.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"ExecuTorch backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in EXECUTORCH_BACKENDS:
+        raise ValueError(f"ExecuTorch backend must be one of {EXECUTORCH_BACKENDS}, got {backend!r}")
     if backend == "portable":
         return []
     from executorch.backends.xnnpack.partition.config.gemm_configs import LinearConfig
@@ -70,6 +69,7 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     (every op on ExecuTorch's portable kernels: slow, but no delegate in the program).
     """
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.delegate import executorch_call_delegate
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
     partitioners = _partitioners(backend)
@@ -80,7 +80,7 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     path = Path(path)
     path.write_bytes(et.buffer)
     lowered = et.exported_program()
-    delegates = sum(1 for n in lowered.graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
+    delegates = sum(1 for n in lowered.graph.nodes if n.target is executorch_call_delegate)
     return ExportedPte(path, _mutable_buffers(lowered), delegates)
 
 

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvq_ao.export import EXECUTORCH_BACKENDS
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2' (packaged), a transformers folder, or a .gguf file")
@@ -350,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["executorch", "onnx"], required=True)
     p.add_argument("--out", default=None, help="output path (.pte or .onnx)")
     p.add_argument("--max-seq-len", type=int, default=256)
-    p.add_argument("--backend", choices=["xnnpack", "portable"], default="xnnpack",
+    p.add_argument("--backend", choices=EXECUTORCH_BACKENDS, default=EXECUTORCH_BACKENDS[0],
                    help="ExecuTorch only: linear layers on XNNPACK (fast) or every op on the portable kernels")  # fmt: skip
     p.add_argument("--prompt", default=None, help="after exporting, generate an answer with the artifact")
     p.add_argument("--max-new-tokens", type=int, default=32)
