@@ -45,6 +45,7 @@ def export_onnx(model, config: KVQuantConfig, path: str | Path, max_seq_len: int
             input_names=["input_ids", "cache_position", *[f"past.{n}" for n in names]],
             output_names=["logits", *[f"present.{n}" for n in names]],
             dynamo=True,
+            verbose=False,  # its progress lines went to stdout, mixed into `kvq export --prompt`'s answer
         )
     meta = {"max_seq_len": str(max_seq_len), "kvq_config": json.dumps(config.to_dict())}
     onnx_program.model.metadata_props.update(meta)

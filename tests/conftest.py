@@ -6,12 +6,13 @@ import torch
 import kvq_ao  # noqa: F401  (registers ops; imports torchao quietly)
 
 
-def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 64, seed: int = 0, **extra):
+def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 64, seed: int = 0, vocab_size: int = 128,
+               **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=128, hidden_size=heads * head_dim // 2, intermediate_size=256, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=heads * head_dim // 2, intermediate_size=256, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=2048, **extra,
     )  # fmt: skip

@@ -171,3 +171,33 @@ def test_exporting_an_unsupported_model_or_config_is_a_clear_error(tmp_path):
         export_onnx(tiny_llama(), bad, tmp_path / "x.onnx")
     with pytest.raises(ValueError, match="max_cache_len must be positive"):
         export_onnx(tiny_llama(), KVQuantConfig.preset("kivi-4"), tmp_path / "x.onnx", max_seq_len=0)
+
+
+def test_cli_export_then_talk_generates_what_eager_generates(tmp_path, capsys):
+    """`kvq export --prompt` and `kvq talk` on a model folder answer with eager quantized greedy tokens."""
+    from transformers import AutoTokenizer
+
+    from kvq_ao.cli import main
+    from kvq_ao.export.decoder import greedy_generate
+    from kvq_ao.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+    model = tiny_llama(vocab_size=len(tokenizer))
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out, prompt, n_new, max_len = tmp_path / "tiny.onnx", "Why is the sky blue?", 8, 80
+    common = ["--prompt", prompt, "--max-new-tokens", str(n_new)]
+    assert main(["export", "--format", "onnx", "--model", str(folder), "--preset", "kivi-2",
+                 "--max-seq-len", str(max_len), "--out", str(out), *common]) == 0  # fmt: skip
+    exported = capsys.readouterr().out.strip()
+    assert main(["talk", str(out), "--model", str(folder), *common]) == 0
+    talked = capsys.readouterr().out.strip()
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+    step = DecodeStep(model, KVQuantConfig.preset("kivi-2"), max_len)
+    with torch.no_grad():
+        new, _ = greedy_generate(lambda t, p: step(torch.tensor([[t]]), torch.tensor([p]))[0, -1], ids, n_new, max_len)
+    expected = f"[{out.name}] {tokenizer.decode(new, skip_special_tokens=True).strip()}"
+    assert exported == talked == expected
