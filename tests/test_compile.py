@@ -87,25 +87,34 @@ def test_dynamic_compile_is_refused_with_a_clear_error():
 
 @pytest.mark.slow
 def test_smollm2_compiled_generation_equals_eager_kivi4(smollm2):
+    """Issue 3 item 1 on the real model: 64 greedy tokens equal eager for two prompts of different
+    lengths, one decode graph, and the second call (new cache, other length) recompiles nothing."""
     from kvq_ao.eval import CHAT_PROMPTS
 
     model, tokenizer = smollm2
     quantize_kv_(model, KVQuantConfig.preset("kivi-4"))
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[2]}], add_generation_prompt=True,
-                                        return_tensors="pt")  # fmt: skip
-    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    prompts = []
+    for text in CHAT_PROMPTS[1:3]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt")  # fmt: skip
+        prompts.append(ids if torch.is_tensor(ids) else ids["input_ids"])
+    assert prompts[0].shape[1] != prompts[1].shape[1]
 
-    def run(**kw):
+    def run(ids, **kw):
         with torch.no_grad():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
                                   do_sample=False, cache_implementation="static", **kw)  # fmt: skip
 
-    eager = run()
+    eager = [run(ids) for ids in prompts]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = run(compile_config=compile_config())
-    print("kivi-4 compiled:", tokenizer.decode(compiled[0, ids.shape[1] :]))
-    assert torch.equal(eager, compiled)
+    cc = compile_config()
+    compiled = [run(prompts[0], compile_config=cc)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled.append(run(prompts[1], compile_config=cc))
+    print("kivi-4 compiled:", tokenizer.decode(compiled[1][0, prompts[1].shape[1] :]))
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
