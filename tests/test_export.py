@@ -177,7 +177,7 @@ def test_cli_export_then_talk_generates_what_eager_generates(tmp_path, capsys):
     """`kvq export --prompt` and `kvq talk` on a model folder answer with eager quantized greedy tokens."""
     from transformers import AutoTokenizer
 
-    from kvq_ao.cli import main
+    from kvq_ao.cli import _chat_ids, main
     from kvq_ao.export.decoder import greedy_generate
     from kvq_ao.models import resolve_model_path
 
@@ -194,8 +194,7 @@ def test_cli_export_then_talk_generates_what_eager_generates(tmp_path, capsys):
     assert main(["talk", str(out), "--model", str(folder), *common]) == 0
     talked = capsys.readouterr().out.strip()
 
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+    ids = _chat_ids(tokenizer, prompt)  # the CLI's own prompt formatting
     step = DecodeStep(model, KVQuantConfig.preset("kivi-2"), max_len)
     with torch.no_grad():
         new, _ = greedy_generate(lambda t, p: step(torch.tensor([[t]]), torch.tensor([p]))[0, -1], ids, n_new, max_len)
