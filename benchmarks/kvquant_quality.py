@@ -50,7 +50,16 @@ def ablations(bits: int) -> list[tuple[str, KVQuantConfig, dict]]:
         ("no outliers", dataclasses.replace(base, default=LayerKV(dataclasses.replace(k, outliers=0.0), dataclasses.replace(v, outliers=0.0))), {}),
         ("no sink token", dataclasses.replace(base, sink_tokens=0), {}),
         ("unweighted k-means", base, {"fisher": False}),
+        other_value_outlier_rule(base),
     ]
+
+
+def other_value_outlier_rule(base: KVQuantConfig) -> tuple[str, KVQuantConfig, dict]:
+    """The preset's value outliers judged the other way (per vector online <-> calibrated per channel)."""
+    v = base.default.value
+    other = "channel" if v.outlier_rule == "vector" else "vector"
+    label = {"vector": "value outliers per vector (online)", "channel": "value outliers by calibrated channel thresholds"}[other]
+    return label, dataclasses.replace(base, default=LayerKV(base.default.key, dataclasses.replace(v, outlier_rule=other))), {}
 
 
 def main() -> None:

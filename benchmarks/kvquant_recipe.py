@@ -14,7 +14,7 @@ Rule, fixed before running: per bit width, the cheapest candidate (bits/element 
 whose development PPL is within the issue's target (4 bits 0.5%, 3 bits 3%, 2 bits 15%); if none
 is, the one with the lowest development PPL. Writes results/kvquant_recipe.json and prints a table.
 
-    python benchmarks/kvquant_recipe.py [--bits 4,3,2]
+    python benchmarks/kvquant_recipe.py [--bits 4,3,2]   # rows of other widths in --out are kept
 """
 
 import argparse
@@ -63,8 +63,13 @@ def main() -> None:
     model, tok = load_model("smollm2")
     dev = dev_windows(tok, args.windows, args.window_len)
     acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
+    widths = [int(b) for b in args.bits.split(",")]
     rows, chosen = [], {}
-    for bits in [int(b) for b in args.bits.split(",")]:
+    if Path(args.out).exists():  # keep the other widths' rows, so widths can be re-measured one at a time
+        old = json.loads(Path(args.out).read_text())
+        rows = [r for r in old["rows"] if r["bits"] not in widths]
+        chosen = {int(b): c for b, c in old["chosen"].items() if int(b) not in widths}
+    for bits in widths:
         base = KVQuantConfig.preset(f"kvquant-{bits}-1pct")
         mine = []
         for sink in SINKS:
@@ -75,7 +80,8 @@ def main() -> None:
                 cand = dataclasses.replace(config, residual_length=window, calibration=str(path), name=label)
                 t0 = time.perf_counter()
                 r = evaluate(model, dev, cand)
-                row = dict(bits=bits, sink=sink, fp_window=window, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
+                row = dict(bits=bits, sink=sink, fp_window=window, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1),
+                           date=str(date.today()), value_outliers=base.default.value.outlier_rule)  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 mine.append(row)

@@ -21,15 +21,21 @@ from __future__ import annotations
 import torch
 
 from kvq_ao.quant.codebook import dequantize_codebook, quantize_codebook
-from kvq_ao.quant.outliers import apply_outliers, split_outliers
+from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
 from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
 
 
 def quantize(x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype, codebook: torch.Tensor,
              lo: torch.Tensor, hi: torch.Tensor, n_outliers: int):  # fmt: skip
-    """-> (codes, scale, zero, out_val [.., T, k], out_idx [.., T, k] uint8, clamped int64 count)."""
-    if n_outliers > 0:
+    """-> (codes, scale, zero, out_val [.., T, k], out_idx [.., T, k] uint8, clamped int64 count).
+
+    Outliers are judged by the channel ranges lo/hi, or per vector when lo/hi are empty.
+    """
+    if n_outliers > 0 and lo.numel() == 0:
+        dense, out_val, out_idx, _ = split_vector_outliers(x, n_outliers, group)
+        clamped = x.new_zeros([], dtype=torch.int64)  # every vector keeps all k of its outliers
+    elif n_outliers > 0:
         dense, out_val, out_idx, clamped = split_outliers(x, lo, hi, n_outliers)
     else:
         dense = x

@@ -71,7 +71,7 @@ class _BodyStore:
         self.codebook = _codebook_for(spec, calib).to(device)
         self.n_outliers = outlier_slots(spec.outliers, head_dim) if spec.is_quantized else 0
         self.lo = self.hi = torch.zeros(0, device=device)
-        if self.n_outliers:
+        if self.n_outliers and spec.outlier_rule == "channel":  # "vector": judged online, lo/hi stay empty
             if calib is None or calib.lo is None or calib.hi is None:
                 raise ValueError(f"{spec.label()} needs calibrated outlier thresholds: pass a calibration (kvq calibrate)")
             if tuple(calib.lo.shape) != (h, head_dim) or tuple(calib.hi.shape) != (h, head_dim):

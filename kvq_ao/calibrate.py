@@ -6,7 +6,8 @@ their Fisher information (squared gradients of the language-model loss with resp
 activations, one backward pass per sample), and fits what the config's specs need:
 
 * outlier thresholds: per channel, the (f/2, 1 - f/2) quantiles of the calibration activations
-  for an outlier fraction f (`kvq_ao.quant.outliers`);
+  for an outlier fraction f (`kvq_ao.quant.outliers`), for specs whose outlier_rule is "channel"
+  ("vector" outliers are judged online and need none);
 * "nuq" codebooks: per layer, for keys and values separately, 2**bits levels from 1-D k-means
   on the activations normalized exactly as the cache normalizes them (groups, outlier clamping,
   sink tokens left out), each entry weighted by its Fisher information (KVQuant: the levels go
@@ -35,6 +36,7 @@ from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, QuantSpec
 from kvq_ao.quant.rope import rotate
 from kvq_ao.quant.codebook import normalize
+from kvq_ao.quant.outliers import outlier_slots, split_vector_outliers
 from kvq_ao.quant.uniform import AXIS_CHANNEL
 
 CALIBRATION_VERSION = 1
@@ -263,6 +265,9 @@ def normalized(x: torch.Tensor, spec: QuantSpec, sink: int, lo: torch.Tensor | N
     Entries kept exact as outliers and sink tokens are masked out of the fit.
     """
     keep = torch.ones_like(x, dtype=torch.bool)
+    if spec.outliers > 0 and spec.outlier_rule == "vector":
+        x, _, _, is_outlier = split_vector_outliers(x, outlier_slots(spec.outliers, x.shape[-1]), spec.group_size)
+        keep &= ~is_outlier
     if lo is not None:
         lo4, hi4 = lo[None, :, None, :], hi[None, :, None, :]
         keep &= (x >= lo4) & (x <= hi4)
@@ -332,7 +337,7 @@ def fit(acts: Activations, config: KVQuantConfig, fisher: bool = True, use_qnorm
         x_all, f_all = acts.of(kind)
         x, f = x_all[i], f_all[i]
         lo = hi = None
-        if spec.outliers > 0:
+        if spec.outliers > 0 and spec.outlier_rule == "channel":
             lo, hi = channel_thresholds(x, spec.outliers)
             tensors[Calibration.key(i, kind, "lo")] = lo
             tensors[Calibration.key(i, kind, "hi")] = hi

@@ -24,6 +24,9 @@ AXES = {"token": AXIS_TOKEN, "channel": AXIS_CHANNEL}
 SCALE_DTYPES = ("float16", "float32")
 # "int": uniform integer grid; "nf": fixed NormalFloat levels; "nuq": per-layer calibrated levels.
 DATATYPES = ("int", "nf", "nuq")
+# How outliers are judged: "channel" by calibrated per-channel thresholds (KVQuant's keys),
+# "vector" online, each vector's entries furthest from its mean (KVQuant's values).
+OUTLIER_RULES = ("channel", "vector")
 CODEBOOK_BITS = (2, 3, 4)
 CONFIG_VERSION = 1
 
@@ -38,7 +41,11 @@ class QuantSpec:
     dtype: "int" (uniform levels), "nf" (NormalFloat levels) or "nuq" (per-layer levels from
           Fisher-weighted k-means, KVQuant; needs a calibration). nf/nuq take 2, 3 or 4 bits.
     outliers: fraction of each vector's entries kept exact (KVQuant's dense-and-sparse, e.g.
-          0.01); needs a calibration (the per-channel outlier thresholds).
+          0.01).
+    outlier_rule: "channel" judges outliers by per-channel thresholds from a calibration (KVQuant's
+          keys); "vector" takes each vector's entries furthest from its mean, online, with no
+          calibration (KVQuant's values, whose thresholds are computed per token); "vector" needs
+          axis "token", whose groups the removed entries stop stretching.
     """
 
     bits: int | None = None
@@ -46,6 +53,7 @@ class QuantSpec:
     group_size: int = 32
     dtype: str = "int"
     outliers: float = 0.0
+    outlier_rule: str = "channel"
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -61,10 +69,15 @@ class QuantSpec:
         if isinstance(self.outliers, bool) or not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= 0.25:
             raise ValueError(f"outliers must be a fraction in [0, 0.25], got {self.outliers!r}")
         object.__setattr__(self, "outliers", float(self.outliers))
+        if self.outlier_rule not in OUTLIER_RULES:
+            raise ValueError(f"outlier_rule must be one of {OUTLIER_RULES}, got {self.outlier_rule!r}")
+        if self.outlier_rule == "vector" and self.axis != "token":
+            raise ValueError("outlier_rule 'vector' needs axis 'token' (per-channel groups span tokens, "
+                             "so a vector's own extremes do not set their range); use 'channel'")  # fmt: skip
 
     @property
     def needs_calibration(self) -> bool:
-        return self.is_quantized and (self.dtype == "nuq" or self.outliers > 0)
+        return self.is_quantized and (self.dtype == "nuq" or (self.outliers > 0 and self.outlier_rule == "channel"))
 
     @property
     def is_quantized(self) -> bool:
@@ -92,7 +105,7 @@ class QuantSpec:
         if self.bits is None:
             return "fp"
         kind = {"int": "int", "nf": "nf", "nuq": "nuq"}[self.dtype]
-        out = f"+{self.outliers:.0%}" if self.outliers else ""
+        out = f"+{self.outliers:.0%}" + ("v" if self.outlier_rule == "vector" else "") if self.outliers else ""
         return f"{kind}{self.bits}-{self.axis[0]}{self.group_size}{out}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,15 +114,18 @@ class QuantSpec:
             d["dtype"] = self.dtype
         if self.outliers:
             d["outliers"] = self.outliers
+        if self.outlier_rule != "channel":
+            d["outlier_rule"] = self.outlier_rule
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers"}, "QuantSpec")
+        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule"}, "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
         return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32),
-                   dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0))  # fmt: skip
+                   dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0),
+                   outlier_rule=d.get("outlier_rule", "channel"))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)
@@ -306,6 +322,15 @@ def _kivi(bits: int) -> KVQuantConfig:
 KVQUANT_LAYOUT: dict[int, tuple[int, int]] = {4: (5, 32), 3: (1, 32), 2: (1, 32)}
 
 
+# How the -1pct presets judge value outliers, per bit width. "vector" is KVQuant's own rule for values
+# (per-token thresholds computed online); "channel" uses calibrated per-channel thresholds as for keys.
+# Chosen on development text by benchmarks/kvquant_value_outliers.py (2026-12-01, each width's chosen
+# layout; rule fixed before the run: "vector" where it lowers development PPL): 2 bits +9.01% -> +7.11%; 3 bits +1.84% -> +1.90%,
+# 4 bits +0.49% -> +0.56% (KL to fp fell at every width: 0.0736 -> 0.0596, 0.0174 -> 0.0165,
+# 0.0049 -> 0.0044, but PPL is the issue's measure).
+VALUE_OUTLIER_RULE: dict[int, str] = {4: "channel", 3: "channel", 2: "vector"}
+
+
 def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
     """KVQuant: pre-RoPE per-channel keys, per-token values, calibrated nuq levels, an attention sink
     and a short full-precision window (`KVQUANT_LAYOUT`).
@@ -318,7 +343,8 @@ def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
     """
     sink, window = KVQUANT_LAYOUT[bits]
     return KVQuantConfig(
-        default=LayerKV(QuantSpec(bits, "channel", 128, "nuq", outliers), QuantSpec(bits, "token", 32, "nuq", outliers)),
+        default=LayerKV(QuantSpec(bits, "channel", 128, "nuq", outliers),
+                        QuantSpec(bits, "token", 32, "nuq", outliers, VALUE_OUTLIER_RULE[bits] if outliers else "channel")),
         sink_tokens=sink,
         residual_length=window,
         pre_rope_keys=True,

@@ -42,7 +42,8 @@ def quantize(
     """x [B, H, T, D] float -> (codes, scale, zero, outlier values, outlier indices, clamped count).
 
     codebook: empty for the uniform grid, else 2**bits sorted levels in [0, 1]. n_outliers > 0
-    keeps that many outliers per vector exact, judged by the channel ranges lo/hi [H, D].
+    keeps that many outliers per vector exact, judged by the channel ranges lo/hi [H, D], or,
+    when lo and hi are empty, per vector (its entries furthest from its mean; per-token axis only).
     """
     _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
     return composite.quantize(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers)
@@ -74,6 +75,10 @@ def _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers) -> None:
             raise ValueError("kvq: outliers need x as [batch, heads, tokens, head_dim]")
         if x.shape[-1] >= 255:
             raise ValueError(f"kvq: outliers need head_dim < 255 (uint8 channel indices), got {x.shape[-1]}")
+        if lo.numel() == 0 and hi.numel() == 0:
+            if axis != AXIS_TOKEN:
+                raise ValueError("kvq: per-vector outliers (empty lo/hi) need the per-token axis; per-channel groups need calibrated thresholds")
+            return
         want = (x.shape[1], x.shape[-1])
         if tuple(lo.shape) != want or tuple(hi.shape) != want:
             raise ValueError(f"kvq: outlier thresholds must be [heads, head_dim] = {list(want)}, got {list(lo.shape)} and {list(hi.shape)}")

@@ -34,7 +34,8 @@ def smollm2():
 
 
 def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pre_rope: bool = True, sink: int = 1,
-                   key_group: int = 16, value_group: int = 32, model=None, folder=None):  # fmt: skip
+                   key_group: int = 16, value_group: int = 32, value_outlier_rule: str = "channel", model=None,
+                   folder=None):  # fmt: skip
     """A KVQuant-style config calibrated for tiny_llama() on random tokens (saved under `folder`)."""
     import dataclasses
     import tempfile
@@ -45,8 +46,9 @@ def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pr
 
     model = model or tiny_llama()
     cfg = KVQuantConfig(
-        default=LayerKV(QuantSpec(bits, "channel", key_group, dtype, outliers), QuantSpec(bits, "token", value_group, dtype, outliers)),
-        sink_tokens=sink, pre_rope_keys=pre_rope, name=f"tiny-kvquant-{dtype}{bits}-{outliers}",
+        default=LayerKV(QuantSpec(bits, "channel", key_group, dtype, outliers),
+                        QuantSpec(bits, "token", value_group, dtype, outliers, value_outlier_rule)),
+        sink_tokens=sink, pre_rope_keys=pre_rope, name=f"tiny-kvquant-{dtype}{bits}-{outliers}-{value_outlier_rule}",
     )  # fmt: skip
     if not cfg.needs_calibration:
         return cfg

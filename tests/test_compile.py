@@ -46,10 +46,19 @@ def test_compiled_decode_attention_with_kvquant_datatypes_matches_float64(bits, 
     torch.testing.assert_close(compiled(*args).double(), _reference(args), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct"])
+@pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-nuq3-1pct-vector"])
 def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
+    """Compiled greedy generation gives eager's tokens, with one graph for two prompt lengths.
+
+    The tiny model's random weights leave near-ties (top-2 logit margins of 1e-2) and compiled
+    GEMMs differ from eager in the last bits, which can move a quantized code to its neighbouring
+    level (logits then differ by ~1e-3 with either outlier rule). So the kvquant cases accept a
+    divergence only at a step where eager's own top-2 margin is within twice the logit difference
+    seen there, and every step before it must agree within 1e-2.
+    """
     model = tiny_llama(seed=3)
-    cfg = KVQuantConfig.preset("kivi-2") if kind == "kivi-2" else kvquant_config(bits=3, outliers=0.02, model=model)
+    rule = "vector" if kind.endswith("vector") else "channel"  # how value outliers are judged
+    cfg = KVQuantConfig.preset("kivi-2") if kind == "kivi-2" else kvquant_config(bits=3, outliers=0.02, value_outlier_rule=rule, model=model)
     quantize_kv_(model, cfg)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (1, n), generator=g) for n in (40, 27)]
@@ -57,7 +66,7 @@ def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
     def run(ids, **kw):
         with torch.no_grad():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                  cache_implementation="static", **kw)  # fmt: skip
+                                  cache_implementation="static", output_scores=True, return_dict_in_generate=True, **kw)  # fmt: skip
 
     eager = [run(ids) for ids in prompts]
     torch._dynamo.reset()
@@ -67,7 +76,16 @@ def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled.append(run(prompts[1], compile_config=cc))  # new cache, other prompt length
     for e, c in zip(eager, compiled):
-        assert torch.equal(e, c)
+        if kind == "kivi-2":
+            assert torch.equal(e.sequences, c.sequences)
+            continue
+        for se, sc in zip(e.scores, c.scores):  # the same inputs up to the first divergence
+            diff = (se - sc).abs().max().item()
+            assert diff < 1e-2
+            if se.argmax() != sc.argmax():
+                top2 = se[0].topk(2).values
+                assert float(top2[0] - top2[1]) <= 2 * diff, "compiled picked another token without a near-tie"
+                break
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import kvquant_config, tiny_llama
-from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+from kvq_ao import KVQuantConfig, QuantSpec, make_cache, quantize_kv_
 from kvq_ao.calibrate import Calibration, calibrate, for_model, qnorm, weighted_kmeans_1d
 from kvq_ao.quant.codebook import dequantize_codebook, nf_codebook, quantize_codebook
-from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers
+from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import rotate, unrotate
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
@@ -179,6 +179,54 @@ def test_quantize_op_with_outliers_reproduces_outliers_and_counts_overflow(bits)
     assert int(clamped) >= 3  # the other three 50s (plus any random entry beyond 3 sigma)
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 5), heads=st.integers(1, 3), tokens=st.integers(1, 9),
+       shape=st.sampled_from([(8, 4), (8, 8), (64, 32), (64, 16)]), spread=st.floats(0.5, 30.0))  # fmt: skip
+def test_vector_outliers_are_the_entries_furthest_from_the_mean_kept_exactly(seed, k, heads, tokens, shape, spread):
+    d, group = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, heads, tokens, d, generator=g)
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.05, x * spread, x)  # a few heavy entries
+    dense, values, indices, is_outlier = split_vector_outliers(x, k, group)
+    assert values.shape == indices.shape == (2, heads, tokens, k) and is_outlier.sum(-1).eq(k).all()
+    far = (x - x.mean(-1, keepdim=True)).abs()
+    kth = far.topk(k, -1).values[..., -1:]
+    assert (far[is_outlier] >= kth.expand_as(far)[is_outlier]).all()  # no kept entry is nearer than one left
+    assert torch.equal(values, x.gather(-1, indices.long()))
+    assert torch.equal(apply_outliers(dense, values, indices), x)  # restored exactly
+    # the dense part never widens a group, and the non-outliers are untouched
+    gx, gd, gm = (t.reshape(2, heads, tokens, d // group, group) for t in (x, dense, is_outlier))
+    assert torch.equal(gd[~gm], gx[~gm])
+    assert (gd.amax(-1) <= gx.amax(-1)).all() and (gd.amin(-1) >= gx.amin(-1)).all()
+    rest_hi = torch.where(gm, -torch.inf, gx).amax(-1)
+    rest_lo = torch.where(gm, torch.inf, gx).amin(-1)
+    partly = ~gm.all(-1)  # a group made only of outliers keeps its own range
+    assert torch.equal(gd.amax(-1)[partly], rest_hi[partly]) and torch.equal(gd.amin(-1)[partly], rest_lo[partly])
+
+
+def test_quantize_op_with_vector_outliers_needs_no_thresholds_and_only_the_token_axis():
+    x = torch.randn(1, 2, 32, 64)
+    x[0, 0, 3, 5], x[0, 1, 7, 10] = 50.0, -80.0
+    empty = torch.zeros(0)
+    codes, scale, zero, out_val, out_idx, clamped = torch.ops.kvq.quantize(x, 3, AXIS_TOKEN, 32, torch.float16, nf_codebook(3), empty, empty, 1)
+    y = torch.ops.kvq.dequantize(codes, scale, zero, nf_codebook(3), out_val, out_idx, 3, AXIS_TOKEN, 32, torch.float32)
+    assert y[0, 0, 3, 5] == 50.0 and y[0, 1, 7, 10] == -80.0 and int(clamped) == 0
+    # the outlier no longer sets its group's range: the rest of that vector is quantized finely
+    plain = torch.ops.kvq.quantize(x, 3, AXIS_TOKEN, 32, torch.float16, nf_codebook(3), empty, empty, 0)
+    y0 = torch.ops.kvq.dequantize(*plain[:3], nf_codebook(3), *plain[3:5], 3, AXIS_TOKEN, 32, torch.float32)
+    assert (y - x)[0, 0, 3].abs().max() < (y0 - x)[0, 0, 3].abs().max() / 4
+    with pytest.raises(ValueError, match="per-vector outliers .* per-token axis"):
+        torch.ops.kvq.quantize(x, 3, AXIS_CHANNEL, 32, torch.float16, nf_codebook(3), empty, empty, 1)
+    with pytest.raises(ValueError, match="outlier_rule 'vector' needs axis 'token'"):
+        QuantSpec(3, "channel", 32, "nuq", 0.01, "vector")
+    with pytest.raises(ValueError, match="outlier_rule must be one of"):
+        QuantSpec(3, "token", 32, "nuq", 0.01, "sometimes")
+    assert not QuantSpec(3, "token", 32, "int", 0.01, "vector").needs_calibration  # judged online
+    assert QuantSpec(3, "token", 32, "int", 0.01, "channel").needs_calibration
+    spec = QuantSpec(2, "token", 32, "nuq", 0.01, "vector")
+    assert QuantSpec.from_dict(spec.to_dict()) == spec and "outlier_rule" not in QuantSpec(2, "token", 32, "nuq", 0.01).to_dict()
+
+
 # ----------------------------------------------------------------------------- calibration artifacts
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
@@ -239,10 +287,11 @@ def test_a_config_that_needs_calibration_says_so():
 
 
 # ----------------------------------------------------------------------------- through the cache
-@pytest.mark.parametrize("dtype, outliers", [("nuq", 0.02), ("nf", 0.0), ("int", 0.02)])
-def test_static_one_token_path_equals_dynamic_path_with_kvquant_datatypes(dtype, outliers):
+@pytest.mark.parametrize("dtype, outliers, rule", [("nuq", 0.02, "channel"), ("nuq", 0.02, "vector"), ("nf", 0.0, "channel"),
+                                                  ("int", 0.02, "channel")])  # fmt: skip
+def test_static_one_token_path_equals_dynamic_path_with_kvquant_datatypes(dtype, outliers, rule):
     model = tiny_llama()
-    cfg = kvquant_config(bits=3, outliers=outliers, dtype=dtype)
+    cfg = kvquant_config(bits=3, outliers=outliers, dtype=dtype, value_outlier_rule=rule)
     quantize_kv_(model, cfg)
     ids = torch.randint(0, 128, (1, 120))
     dyn, static = make_cache(model), make_cache(model, max_cache_len=128)

@@ -1,7 +1,12 @@
 """Per-vector dense-and-sparse decomposition (KVQuant): a few outlier entries kept exact.
 
-Calibration gives each channel a range [lo, hi] (percentiles of its calibration activations).
-An entry outside its channel's range is an outlier. Each vector (one token of one head, D
+Two ways to judge which entries are outliers, as in KVQuant:
+* by channel (`split_outliers`, KVQuant's keys): calibration gives each channel a range [lo, hi]
+  (percentiles of its calibration activations); an entry outside its channel's range is an
+  outlier.
+* by vector (`split_vector_outliers`, KVQuant's values, whose thresholds are computed online per
+  token): the k entries of each vector furthest from the vector's mean, with no calibration.
+ Each vector (one token of one head, D
 entries) keeps at most `k` outliers exactly, in a sparse side structure of fixed size
 (values [..., k] in the cache dtype, channel indices [..., k] uint8), so static caches and
 exported programs hold it as plain fixed-shape tensors. The dense part is clamped into the
@@ -62,3 +67,31 @@ def apply_outliers(dense: torch.Tensor, values: torch.Tensor, indices: torch.Ten
     for j in range(values.shape[-1]):
         dense = torch.where(channels == idx[..., j : j + 1], vals[..., j : j + 1], dense)
     return dense
+
+
+def split_vector_outliers(x: torch.Tensor, k: int, group: int):
+    """x [..., D] -> (dense, values, indices, is_outlier): each vector's k entries furthest from its
+    mean kept exact, judged online (no calibration), for per-token groups of `group` channels.
+
+    dense: each outlier entry clamped into the range of the other entries of its channel group,
+    so it no longer sets that group's quantization range (a group made only of outliers keeps
+    its own range). values/indices [..., k] as in `split_outliers`; no entry is ever left over.
+    """
+    d = x.shape[-1]
+    if not 0 < k <= d or d % group:
+        raise ValueError(f"per-vector outliers need 0 < k <= head_dim and group | head_dim; got k={k}, group={group}, head_dim={d}")
+    xf = x.float()
+    _, idx = (xf - xf.mean(-1, keepdim=True)).abs().topk(k, dim=-1)
+    channels = torch.arange(d, device=x.device)
+    is_outlier = torch.zeros_like(xf, dtype=torch.bool)
+    for j in range(k):  # pointwise (no scatter), as `apply_outliers`
+        is_outlier = is_outlier | (channels == idx[..., j : j + 1])
+    g = xf.reshape(*xf.shape[:-1], d // group, group)
+    m = is_outlier.reshape(g.shape)
+    big = torch.finfo(torch.float32).max
+    all_out = m.all(-1, keepdim=True)
+    lo = torch.where(all_out, g.amin(-1, keepdim=True), torch.where(m, big, g).amin(-1, keepdim=True))
+    hi = torch.where(all_out, g.amax(-1, keepdim=True), torch.where(m, -big, g).amax(-1, keepdim=True))
+    dense = torch.minimum(torch.maximum(g, lo), hi).reshape(xf.shape)
+    return dense, x.gather(-1, idx), idx.to(torch.uint8), is_outlier
+

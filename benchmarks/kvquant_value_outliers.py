@@ -1,0 +1,63 @@
+"""How value outliers are judged, on development text: calibrated per-channel thresholds vs per vector.
+
+KVQuant judges key outliers by per-channel thresholds calibrated offline and value outliers per
+token, online. For each width this evaluates kvquant-B-1pct in its chosen layout with the value
+outliers judged both ways (`QuantSpec.outlier_rule` "channel" / "vector"), on the development text
+of `kvquant_recipe.py` (never the evaluation text), each calibrated for itself. Rule, fixed before
+the first run: a preset uses "vector" where it lowers development PPL. Writes
+results/kvquant_value_outliers.json and prints a table.
+
+    python benchmarks/kvquant_value_outliers.py [--bits 4,3,2]
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, dev_windows
+
+from kvq_ao import KVQuantConfig
+from kvq_ao.calibrate import calibrate, collect
+from kvq_ao.config import LayerKV
+from kvq_ao.eval import evaluate, text_windows
+from kvq_ao.models import load_model, pydoc_text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bits", default="4,3,2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="results/kvquant_value_outliers.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2")
+    dev = dev_windows(tok, 8, 1025)
+    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
+    rows = []
+    for bits in [int(b) for b in args.bits.split(",")]:
+        preset = KVQuantConfig.preset(f"kvquant-{bits}-1pct")
+        for rule in ("channel", "vector"):
+            value = dataclasses.replace(preset.default.value, outlier_rule=rule)
+            config = dataclasses.replace(preset, default=LayerKV(preset.default.key, value), name=f"{preset.name} values by {rule}")
+            path = calibrate(model, None, config, activations=acts, progress=False).save(Path("/tmp/kvq-value-outliers") / f"{bits}-{rule}.json")
+            t0 = time.perf_counter()
+            r = evaluate(model, dev, dataclasses.replace(config, calibration=str(path)))
+            row = dict(bits=bits, value_outliers=rule, preset_uses=preset.default.value.outlier_rule, **r.as_dict(),
+                       seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text="pydoc calib half after the calibration tokens", rows=rows), indent=2) + "\n")
+    print(f"\nSmolLM2-135M, development text ({args.out})")
+    print("| bits | value outliers | dev PPL | ΔPPL vs fp | KL to fp | top-1 agreement | preset uses |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['bits']} | {r['value_outliers']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
+              f"{r['token_agreement']:.3f} | {r['preset_uses']} |")
+
+
+if __name__ == "__main__":
+    main()
