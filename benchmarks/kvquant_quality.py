@@ -121,11 +121,13 @@ def main() -> None:
                     config = dataclasses.replace(config, calibration=str(path))
                 run(f"ablation-{bits}bit", label, dataclasses.replace(config, name=f"{bits}bit: {label}"))
     print(f"\nSmolLM2-135M, held-out pydoc text ({out})")
-    print("| table | config | tokens | PPL | fp PPL | ΔPPL | KL | top-1 agree | bits/elem @4096 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| table | config | tokens | PPL | fp PPL | ΔPPL | 95% interval | KL | top-1 agree | bits/elem @4096 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in saved:
+        ci = r.get("ppl_ratio_ci95")  # rows measured before the interval existed have none
+        span = f"{100 * (ci[0] - 1):+.2f}% .. {100 * (ci[1] - 1):+.2f}%" if ci else "-"
         print(f"| {r['table']} | {r['label']} | {r['tokens']} | {r['ppl']:.3f} | {r['ppl_fp']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | "
-              f"{r['kl']:.4f} | {r['token_agreement']:.3f} | {r['avg_bits_at_4096']:.2f} |")
+              f"{span} | {r['kl']:.4f} | {r['token_agreement']:.3f} | {r['avg_bits_at_4096']:.2f} |")
 
 
 if __name__ == "__main__":

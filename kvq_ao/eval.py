@@ -7,6 +7,9 @@ reference runs each window in one pass without any cache.
 
 Reported: perplexity (quantized and fp), mean KL(fp || quantized) of the next-token
 distribution, top-1 agreement with fp, and the cache's memory as held at the end of a window.
+With two or more windows, also a 95% interval of the PPL ratio over the text: windows are
+independent stretches of text, so the spread of their paired (quantized - fp) mean NLLs says how
+much the ratio depends on which text was drawn (a difference smaller than that is not a finding).
 """
 
 from __future__ import annotations
@@ -37,9 +40,27 @@ class EvalResult:
     avg_bits_at_4096: float
     window: int
     chunk: int
+    ppl_ratio_ci95: list[float] | None = None  # [low, high] over windows (None for one window)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def ratio_interval(window_deltas: list[float], level: float = 0.95) -> list[float] | None:
+    """Student-t interval of the PPL ratio from per-window mean NLL differences (quantized - fp).
+
+    Windows have equal token counts, so the ratio is exp(mean difference); the interval is
+    exp(mean +- t * standard error). None with fewer than two windows.
+    """
+    n = len(window_deltas)
+    if n < 2:
+        return None
+    from scipy.stats import t  # scipy comes with scikit-learn, a dependency
+
+    d = torch.tensor(window_deltas, dtype=torch.float64)
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * float(d.std(unbiased=True)) / math.sqrt(n)
+    mean = float(d.mean())
+    return [math.exp(mean - half), math.exp(mean + half)]
 
 
 def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.Tensor:
@@ -60,6 +81,7 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
     n, w = windows.shape
     nll = nll_fp = kl = agree = 0.0
     counted = 0
+    deltas = []  # per window: mean NLL (quantized) - mean NLL (fp)
     report = None
     bar = tqdm(total=n * math.ceil(w / chunk), desc=f"eval {config.name}", disable=not progress, leave=False)
     for row in windows:
@@ -73,8 +95,11 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
         q_logits = torch.cat(parts)[:-1]
         target = row[1:]
         logp_q, logp_fp = F.log_softmax(q_logits, -1), F.log_softmax(fp_logits, -1)
-        nll += F.nll_loss(logp_q, target, reduction="sum").item()
-        nll_fp += F.nll_loss(logp_fp, target, reduction="sum").item()
+        window_nll = F.nll_loss(logp_q, target, reduction="sum").item()
+        window_nll_fp = F.nll_loss(logp_fp, target, reduction="sum").item()
+        deltas.append((window_nll - window_nll_fp) / target.numel())
+        nll += window_nll
+        nll_fp += window_nll_fp
         kl += F.kl_div(logp_q, logp_fp, log_target=True, reduction="sum").item()
         agree += (q_logits.argmax(-1) == fp_logits.argmax(-1)).sum().item()
         counted += target.numel()
@@ -95,6 +120,7 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
         avg_bits_at_4096=steady.bits_per_element,
         window=w,
         chunk=chunk,
+        ppl_ratio_ci95=ratio_interval(deltas),
     )
 
 

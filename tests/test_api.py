@@ -1,5 +1,7 @@
 """quantize_kv_ and the torchao entry point: generate uses the quantized cache; bad models fail clearly."""
 
+import math
+
 import pytest
 import torch
 from torchao.quantization import quantize_
@@ -74,3 +76,18 @@ def test_unsupported_model_is_rejected():
 def test_config_type_is_checked():
     with pytest.raises(TypeError, match="must be a KVQuantConfig"):
         quantize_kv_(tiny_llama(), "kivi-4")
+
+
+def test_ppl_ratio_interval_is_scipys_t_interval_of_the_window_differences():
+    from scipy import stats
+
+    from kvq_ao.eval import ratio_interval
+
+    g = torch.Generator().manual_seed(0)
+    deltas = (torch.randn(8, generator=g, dtype=torch.float64) * 0.01 + 0.005).tolist()
+    low, high = ratio_interval(deltas)
+    t = torch.tensor(deltas, dtype=torch.float64)
+    ref = stats.t.interval(0.95, len(deltas) - 1, loc=float(t.mean()), scale=stats.sem(deltas))
+    assert abs(low - math.exp(ref[0])) < 1e-12 and abs(high - math.exp(ref[1])) < 1e-12
+    assert low < math.exp(float(t.mean())) < high
+    assert ratio_interval([0.01]) is None  # one window: no spread to measure

@@ -33,6 +33,8 @@ def test_perplexity_stays_close_to_fp(smollm2, windows, preset, max_loss):
     print(json.dumps(result.as_dict()))
     assert result.tokens >= 4092
     assert result.ppl_ratio - 1 <= max_loss, result
+    low, high = result.ppl_ratio_ci95  # 4 windows: an interval around the measured ratio
+    assert low < result.ppl_ratio < high
 
 
 NEAR_TIE = 0.05  # logits: a top-2 margin this small in the fp model itself is a coin toss for any cache
