@@ -25,6 +25,7 @@ import torch
 
 import kvq_ao  # noqa: F401
 from kvq_ao import KVQuantConfig
+from kvq_ao.cli import _chat_ids
 from kvq_ao.export import EXECUTORCH_BACKENDS, export_executorch, export_onnx
 from kvq_ao.export.decoder import DecodeStep, greedy_generate
 from kvq_ao.export.executorch import ExecuTorchRunner
@@ -98,8 +99,7 @@ def main() -> None:
             sink = cfg.sink_tokens if args.sink is None else args.sink
             cfg = dataclasses.replace(cfg, residual_length=residual, sink_tokens=sink, name=f"{preset}-r{residual}-s{sink}")
         model, tok = load_model("smollm2")
-        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
-        ids = list(ids if isinstance(ids, list) else ids["input_ids"])[:32]
+        ids = _chat_ids(tok, PROMPT)[:32]
         for runtime in [r for r in args.runtimes.split(",") if r]:
             path = out_dir / f"smollm2-{preset}.{'pte' if runtime == 'executorch' else 'onnx'}"
             t0 = time.perf_counter()
