@@ -324,10 +324,10 @@ KVQUANT_LAYOUT: dict[int, tuple[int, int]] = {4: (5, 32), 3: (1, 32), 2: (1, 32)
 
 # How the -1pct presets judge value outliers, per bit width. "vector" is KVQuant's own rule for values
 # (per-token thresholds computed online); "channel" uses calibrated per-channel thresholds as for keys.
-# Chosen on development text by benchmarks/kvquant_value_outliers.py (2026-12-01, each width's chosen
-# layout; rule fixed before the run: "vector" where it lowers development PPL): 2 bits +9.01% -> +7.11%; 3 bits +1.84% -> +1.90%,
-# 4 bits +0.49% -> +0.56% (KL to fp fell at every width: 0.0736 -> 0.0596, 0.0174 -> 0.0165,
-# 0.0049 -> 0.0044, but PPL is the measure).
+# Chosen on development text by benchmarks/kvquant_value_outliers.py (2026-12-01, each width's
+# chosen layout; rule fixed before the run: "vector" where it lowers development PPL): 2 bits
+# +9.01% -> +7.11%, 3 bits +1.84% -> +1.90%, 4 bits +0.49% -> +0.56% (KL to fp fell at every
+# width: 0.0736 -> 0.0596, 0.0174 -> 0.0165, 0.0049 -> 0.0044, but PPL is the measure).
 VALUE_OUTLIER_RULE: dict[int, str] = {4: "channel", 3: "channel", 2: "vector"}
 
 

@@ -6,12 +6,13 @@ Two ways to judge which entries are outliers, as in KVQuant:
   outlier.
 * by vector (`split_vector_outliers`, KVQuant's values, whose thresholds are computed online per
   token): the k entries of each vector furthest from the vector's mean, with no calibration.
- Each vector (one token of one head, D
-entries) keeps at most `k` outliers exactly, in a sparse side structure of fixed size
-(values [..., k] in the cache dtype, channel indices [..., k] uint8), so static caches and
-exported programs hold it as plain fixed-shape tensors. The dense part is clamped into the
-channel range before it is quantized, so a handful of extreme entries no longer stretch the
-range every other entry is quantized in.
+
+Each vector (one token of one head, D entries) keeps at most `k` outliers exactly, in a sparse
+side structure of fixed size (values [..., k] in the cache dtype, channel indices [..., k]
+uint8), so static caches and exported programs hold it as plain fixed-shape tensors. The dense
+part is clamped into the channel range (by vector: the range of the rest of its group) before it
+is quantized, so a handful of extreme entries no longer stretch the range every other entry is
+quantized in.
 
 A vector with more than `k` outliers keeps the `k` that stick out furthest (relative to the
 channel range) and the rest stay clamped: bounded memory, no crash, and `split_outliers`
