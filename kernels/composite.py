@@ -71,6 +71,25 @@ def _into_buffer(x: torch.Tensor) -> torch.Tensor:
     return inductor_prims.force_stride_order(x, x.stride())
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, fused: bool) -> torch.Tensor:
+    """q [B, Hkv, n, D] . k [B, Hkv, T, D] -> [B, Hkv, n, T].
+
+    fused: a broadcast product and a sum, which inductor fuses into the loop over cached tokens
+    (no [T, D] float buffer); eager and exported graphs would materialize that product, so they
+    take a matmul instead.
+    """
+    if fused:
+        return (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1)
+    return torch.einsum("bhnd,bhtd->bhnt", q, k)
+
+
+def _weighted_sum(p: torch.Tensor, v: torch.Tensor, fused: bool) -> torch.Tensor:
+    """Weights p [B, Hkv, n, T] times values v [B, Hkv, T, D] -> [B, Hkv, n, D] (see `_scores`)."""
+    if fused:
+        return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(-2)
+    return torch.einsum("bhnt,bhtd->bhnd", p, v)
+
+
 def _masks(mask, side_pos, body_start: int, body_end, t: int):
     """Which body positions and side entries each query may read: ([B,h,Tq,T], [B,h,Tq,S])."""
     positions = torch.arange(t, device=mask.device)
@@ -140,16 +159,16 @@ def attention(
     body_mask, side_mask = _masks(mask, side_pos, body_start, body_end, t)
     qf = q.float().reshape(b, hkv, n, tq, d)
     if tq == 1:
-        # Pointwise + reductions: inductor fuses unpack, dequantize, scores, softmax and the
-        # weighted sum into one loop without a [T, D] float buffer (SDPA would need one).
+        # Under inductor, pointwise + reductions: it fuses unpack, dequantize, scores, softmax and
+        # the weighted sum into one loop without a [T, D] float buffer (SDPA would need one).
         qv = qf[:, :, :, 0, :]
         if pre_rope:
             # Rotated keys [B, Hkv, T, D], realized once per kv head (not per query head), from a
             # cos/sin table computed once per layer.
             cos, sin = cos_sin(torch.arange(t, device=k.device), rope_inv_freq)
             k = realize(rotate_with(k, realize(cos), realize(sin), rope_scale))
-        s_body = (qv.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, T]
-        s_side = (qv.unsqueeze(3) * sk.unsqueeze(2)).sum(-1) * scaling  # [B, Hkv, n, S]
+        s_body = _scores(qv, k, for_inductor) * scaling  # [B, Hkv, n, T]
+        s_side = _scores(qv, sk, for_inductor) * scaling  # [B, Hkv, n, S]
         # mask heads: 1 (shared) or Hq -> broadcast against [B, Hkv, n, positions]
         heads = (hkv, n) if body_mask.shape[1] > 1 else (1, 1)
         s_body = s_body.masked_fill(~body_mask.reshape(b, *heads, t), float("-inf"))
@@ -160,7 +179,7 @@ def attention(
         p = torch.exp(scores - top)
         denom = p.sum(-1, keepdim=True)
         p_body, p_side = p[..., :t], p[..., t:]
-        out = (p_body.unsqueeze(-1) * v.unsqueeze(2)).sum(-2) + (p_side.unsqueeze(-1) * sv.unsqueeze(2)).sum(-2)
+        out = _weighted_sum(p_body, v, for_inductor) + _weighted_sum(p_side, sv, for_inductor)
         out = out / torch.where(denom > 0, denom, torch.ones_like(denom))  # normalize D outputs, not T weights
         return out.reshape(b, hq, 1, -1).to(q.dtype)
     if pre_rope:
