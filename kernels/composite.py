@@ -60,6 +60,9 @@ def dequantize(codes, scale, zero, codebook, out_val, out_idx, bits: int, axis: 
     return apply_outliers(x, out_val, out_idx).to(dtype)
 
 
+TARGETS = ("eager", "export", "inductor")  # who runs `attention`'s graph (see there)
+
+
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -73,7 +76,7 @@ def _into_buffer(x: torch.Tensor) -> torch.Tensor:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, matmul: bool) -> torch.Tensor:
     """q [B, Hkv, n, D] . k [B, Hkv, T, D] -> [B, Hkv, n, T], as a matmul or as a broadcast
-    product and a sum (see `attention`'s `matmul`)."""
+    product and a sum (see `attention`'s `target`)."""
     if matmul:
         return torch.einsum("bhnd,bhtd->bhnt", q, k)
     return (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1)
@@ -125,8 +128,7 @@ def attention(
     v_axis: int,
     v_group: int,
     *,
-    for_inductor: bool = False,
-    matmul: bool = False,
+    target: str = "export",
 ) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] over a quantized cache -> [B, Hq, Tq, Dv] in q's dtype.
 
@@ -134,20 +136,24 @@ def attention(
     may attend) over the body's T positions; side entries use the mask column of their position.
     Queries with nothing to attend to return zeros (left padding).
 
-    `for_inductor` (the decomposition `kvq_ao.ops` registers) changes no value, only what
-    inductor's CPU code does with it, each measured at 8192 cached tokens: q, the cos/sin table
-    and the rotated keys go into buffers of their own (inductor otherwise inlines them into the
-    loop over cached tokens and recomputes them once per token and query head), and codebook
-    levels are looked up by selects (vectorizes; a gather does not). Export traces the default.
-
-    `matmul` (what the eager op passes) takes a one-token query's scores and weighted sum as
-    matmuls instead of the broadcast products inductor fuses, which eager PyTorch materializes
-    ([heads, T, D] floats): one SmolLM2-shaped layer (3 kv heads x 3 queries, D 64) at 8192
-    cached tokens, 2 threads, 10-22 ms -> 1.6-1.8 ms. Exported graphs keep the products: this
-    op on a batch of 2 of such layers with 4-bit codes, exported alone, took 174 ms in
-    ExecuTorch's portable kernels as products and 269 ms as matmuls (its portable bmm), and 49
-    vs 48 ms in onnxruntime, at 8192 tokens (2026-12-01, 2 cores).
+    `target` says who runs the graph; it changes no value, only its form (each choice measured at
+    8192 cached tokens):
+    - "inductor" (the decomposition `kvq_ao.ops` registers): q, the cos/sin table and the rotated
+      keys go into buffers of their own (inductor otherwise inlines them into the loop over
+      cached tokens and recomputes them once per token and query head), codebook levels are
+      looked up by selects (vectorizes; a gather does not), and a one-token query's scores and
+      weighted sum are broadcast products and sums, which inductor fuses into one loop.
+    - "eager" (the eager op): those scores and weighted sum as matmuls, since eager PyTorch
+      materializes the products ([heads, T, D] floats): one SmolLM2-shaped layer (3 kv heads x 3
+      queries, D 64), 2 threads, 10-22 ms -> 1.6-1.8 ms.
+    - "export" (what torch.export traces): the plain products. This op on a batch of 2 such
+      layers with 4-bit codes, exported alone, took 174 ms in ExecuTorch's portable kernels as
+      products and 269 ms as matmuls (its portable bmm), and 49 vs 48 ms in onnxruntime
+      (2026-12-01, 2 cores).
     """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    for_inductor, matmul = target == "inductor", target == "eager"
     realize = _into_buffer if for_inductor else _unchanged
     q = realize(q)
     b, hq, tq, d = q.shape

@@ -151,7 +151,7 @@ def attention(
     return composite.attention(
         q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook,
         v_out_val, v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling,
-        rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, matmul=True,
+        rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, target="eager",
     )  # fmt: skip
 
 
@@ -240,6 +240,6 @@ def enable_inductor_fusion() -> None:
 
 
 def _attention_for_inductor(*args):
-    """The composite attention in its inductor form (`for_inductor`: buffers for q and the RoPE
-    table, codebook levels by selects); same values, measured faster at long contexts."""
-    return composite.attention(*args, for_inductor=True)
+    """The composite attention in its inductor form (buffers for q and the RoPE table, codebook
+    levels by selects); same values, measured faster at long contexts."""
+    return composite.attention(*args, target="inductor")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kvq_ao.ops  # noqa: F401
+from kernels import composite
 from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
@@ -109,6 +110,19 @@ def test_attention_matches_float64_reference(tq, bits, head_mask, kind):
         ref = _reference(args)
         assert out.shape == ref.shape and out.dtype == torch.float32
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", composite.TARGETS)
+@pytest.mark.parametrize("tq", [1, 7])
+def test_every_form_of_the_composite_attention_matches_float64_reference(target, tq):
+    """The eager op runs the "eager" form; inductor and export get the other two as decompositions.
+    Each is checked here directly (the compile and export tests check them in their graphs)."""
+    for seed in range(2):
+        args = _case(seed, tq, 3, 4, codebook=True, outliers=2, pre_rope=True, head_mask=True)
+        out = composite.attention(*args, target=target)
+        torch.testing.assert_close(out.double(), _reference(args), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="target must be one of"):
+        composite.attention(*args, target="mps")
 
 
 def test_query_with_nothing_to_attend_returns_zeros():
