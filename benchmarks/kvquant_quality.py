@@ -27,8 +27,8 @@ import torch
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibrate import calibrate, collect
 from kvq_ao.config import LayerKV
-from kvq_ao.eval import evaluate, text_windows
-from kvq_ao.models import load_model, pydoc_text
+from kvq_ao.eval import evaluate
+from kvq_ao.models import load_model, pydoc_text, text_windows
 
 PRESETS = ["kivi-4", "kivi-3", "kivi-2", "kvquant-4", "kvquant-4-1pct", "kvquant-3", "kvquant-3-1pct", "kvquant-2", "kvquant-2-1pct"]
 

@@ -28,8 +28,8 @@ import torch
 
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibrate import calibrate, collect
-from kvq_ao.eval import evaluate, text_windows
-from kvq_ao.models import load_model, pydoc_text
+from kvq_ao.eval import evaluate
+from kvq_ao.models import load_model, pydoc_text, text_windows
 
 TARGETS = {4: 0.005, 3: 0.03, 2: 0.15}  # the PPL-loss targets for kvquant-B-1pct
 SINKS = (1, 5)

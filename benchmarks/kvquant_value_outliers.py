@@ -23,8 +23,8 @@ from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, dev_windows
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibrate import calibrate, collect
 from kvq_ao.config import LayerKV
-from kvq_ao.eval import evaluate, text_windows
-from kvq_ao.models import load_model, pydoc_text
+from kvq_ao.eval import evaluate
+from kvq_ao.models import load_model, pydoc_text, text_windows
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.eval import evaluate, text_windows
-from kvq_ao.models import load_model, pydoc_text
+from kvq_ao.eval import evaluate
+from kvq_ao.models import load_model, pydoc_text, text_windows
 from kvq_ao.tune.pareto import pair_bits
 from kvq_ao.tune.profile import assignment_config, base_config
 

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from kvq_ao import KVQuantConfig, estimate, make_cache, quantize_kv_
-from kvq_ao.api import model_dims
+from kvq_ao.model_info import model_dims
 from kvq_ao.models import load_model
 
 

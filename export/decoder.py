@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kvq_ao.api import check_model, make_cache, model_dims, quantize_kv_
+from kvq_ao.api import make_cache, quantize_kv_
+from kvq_ao.model_info import check_model, model_dims
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.kernels import composite
 

@@ -22,12 +22,13 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvq_ao._torchao import register_quantize_module_handler
 from kvq_ao.cache import QuantizedKVCache
+from kvq_ao.calibrate import for_model
 from kvq_ao.config import KVQuantConfig
+from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.ops import enable_inductor_fusion
 from kvq_ao.tensor import QuantizedKV
 
 ATTN_NAME = "kvq"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2")
 
 
 DYNAMIC_COMPILE_ERROR = (
@@ -66,45 +67,6 @@ AttentionInterface.register(ATTN_NAME, kvq_attention_forward)
 AttentionMaskInterface.register(ATTN_NAME, kvq_mask)
 
 
-# ---------------------------------------------------------------------------- validation
-def text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def check_model(model, config: KVQuantConfig) -> None:
-    """Raise a clear ValueError when the model or the config does not fit."""
-    cfg = text_config(model)
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model type {model_type!r} ({type(model).__name__}); kvq_ao supports decoder-only "
-            f"Llama-family attention: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise ValueError("encoder-decoder models are not supported")
-    n_layers = cfg.num_hidden_layers
-    config.resolve(n_layers)  # raises on a layer-count mismatch
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    for i, spec in enumerate(config.resolve(n_layers)):
-        try:
-            spec.key.check_head_dim(head_dim)
-            spec.value.check_head_dim(head_dim)
-        except ValueError as e:
-            raise ValueError(f"config {config.name!r}, layer {i}: {e}") from None
-    layer_types = getattr(cfg, "layer_types", None) or []
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(f"unsupported attention layer types {unknown}; kvq_ao handles full and sliding-window attention")
-
-
-def model_dims(model) -> tuple[int, int, int]:
-    """(num_layers, kv_heads, head_dim) of a supported model."""
-    cfg = text_config(model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim
-
-
 def make_cache(model, config: KVQuantConfig | None = None, max_cache_len: int | None = None) -> QuantizedKVCache:
     """A fresh quantized cache for `model` (static when max_cache_len is given)."""
     config = config or getattr(model, "kvq_config", None)
@@ -119,8 +81,6 @@ def calibration_for(model, config: KVQuantConfig):
     """The config's calibration (loaded once per model and config), or None when it needs none."""
     if not config.needs_calibration:
         return None
-    from kvq_ao.calibrate import for_model
-
     memo = model.__dict__.setdefault("_kvq_calibrations", {})
     key = (config.name, config.calibration, config.to_json_key())
     if key not in memo:
@@ -131,8 +91,6 @@ def calibration_for(model, config: KVQuantConfig):
 def rope_for(model, config: KVQuantConfig):
     if not config.pre_rope_keys:
         return None
-    from kvq_ao.calibrate import rotary_of
-
     return rotary_of(model)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,8 @@ from tqdm.auto import tqdm
 
 from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, QuantSpec
+from kvq_ao.model_info import check_model, model_dims, rotary_of
+from kvq_ao.models import cache_dir, pydoc_text, text_windows
 from kvq_ao.quant.rope import rotate
 from kvq_ao.quant.codebook import normalize
 from kvq_ao.quant.outliers import outlier_slots, split_vector_outliers
@@ -163,18 +164,6 @@ class Activations:
 def _attention_modules(model) -> list[torch.nn.Module]:
     mods = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")]
     return sorted(mods, key=lambda m: m.layer_idx)
-
-
-def rotary_of(model) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention_scaling) of the model's rotary embedding, for pre-RoPE keys."""
-    for m in model.modules():
-        if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling"):
-            rope_type = getattr(m, "rope_type", "default")
-            if rope_type in ("dynamic", "longrope"):
-                raise ValueError(f"pre-RoPE keys need a position-independent rotary embedding; {rope_type!r} RoPE "
-                                 "changes its frequencies with the sequence length")  # fmt: skip
-            return m.inv_freq.detach().float().clone(), float(m.attention_scaling)
-    raise ValueError("pre-RoPE keys: the model has no rotary embedding module (inv_freq, attention_scaling)")
 
 
 def collect(model, ids: torch.Tensor, pre_rope: bool, progress: bool = True) -> Activations:
@@ -364,9 +353,6 @@ def calibrate(model, texts, config: KVQuantConfig, *, tokenizer=None, samples: i
     Returns a `Calibration`; `.save(path)` writes it. Pass `activations` (from `collect`) to fit
     several configs on one pass over the model.
     """
-    from kvq_ao.api import check_model, model_dims
-    from kvq_ao.eval import text_windows
-
     check_model(model, config)
     n_layers, kv_heads, head_dim = model_dims(model)
     if activations is None:
@@ -405,8 +391,6 @@ def _check_sample_len(config: KVQuantConfig, n_layers: int, seq_len: int) -> Non
 
 def model_key(model) -> str:
     """A file-name-safe identity for a model: its folder name plus its KV shape."""
-    from kvq_ao.api import model_dims
-
     name = Path(str(getattr(model, "name_or_path", "") or "model")).name or "model"
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     layers, heads, head_dim = model_dims(model)
@@ -414,15 +398,11 @@ def model_key(model) -> str:
 
 
 def default_path(model, config: KVQuantConfig) -> Path:
-    from kvq_ao.models import cache_dir
-
     return cache_dir() / "calibration" / model_key(model) / f"{config.name}.json"
 
 
 def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.stderr)) -> Calibration:
     """The calibration `config` names ("auto": the user cache, made on first use), checked against the model."""
-    from kvq_ao.api import model_dims
-
     dims = model_dims(model)
     if config.calibration not in (None, "auto"):
         calib = Calibration.load(config.calibration)
@@ -434,8 +414,6 @@ def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.
             log(f"kvq_ao: the cached calibration {path} was made for another layout of {config.name!r}; recalibrating")
             calib = None
         if calib is None:
-            from kvq_ao.models import pydoc_text
-
             log(f"kvq_ao: no calibration of {config.name!r} for {model_key(model)} yet; calibrating on pydoc "
                 f"calibration text (once; saved to {path})")  # fmt: skip
             calib = calibrate(model, pydoc_text("calib"), config)

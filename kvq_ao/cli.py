@@ -66,7 +66,8 @@ def _eval_text(args) -> str:
 
 
 def cmd_eval(args) -> int:
-    from kvq_ao.eval import evaluate, text_windows
+    from kvq_ao.eval import evaluate
+    from kvq_ao.models import text_windows
 
     config = _config(args)
     model, tokenizer = _load(args)
@@ -85,8 +86,7 @@ def cmd_calibrate(args) -> int:
 
     from kvq_ao.calibrate import calibrate, collect, default_path
     from kvq_ao.config import KVQuantConfig
-    from kvq_ao.eval import text_windows
-    from kvq_ao.models import pydoc_text
+    from kvq_ao.models import pydoc_text, text_windows
 
     if args.preset or args.config:
         configs = [_config(args)]
@@ -122,8 +122,7 @@ def cmd_tune(args) -> int:
     from rich.table import Table
 
     from kvq_ao.calibrate import model_key
-    from kvq_ao.eval import text_windows
-    from kvq_ao.models import cache_dir, pydoc_text
+    from kvq_ao.models import cache_dir, pydoc_text, text_windows
     from kvq_ao.tune.profile import base_config
     from kvq_ao.tune.tuner import summary_rows, tune, write_front
 
@@ -267,7 +266,8 @@ def cmd_demo(args) -> int:
 
     from kvq_ao.api import quantize_kv_
     from kvq_ao.config import KVQuantConfig
-    from kvq_ao.eval import evaluate, greedy, text_windows
+    from kvq_ao.eval import evaluate, greedy
+    from kvq_ao.models import text_windows
 
     model, tokenizer = _load(args)
     windows = text_windows(tokenizer, _eval_text(args), args.windows, args.window_len)

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvq_ao.api import make_cache, model_dims, quantize_kv_
+from kvq_ao.api import make_cache, quantize_kv_
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.memory import estimate
+from kvq_ao.model_info import model_dims
 
 
 @dataclass
@@ -63,18 +64,9 @@ def ratio_interval(window_deltas: list[float], level: float = 0.95) -> list[floa
     return [math.exp(mean - half), math.exp(mean + half)]
 
 
-def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.Tensor:
-    """[n, window_len] token ids: consecutive, non-overlapping windows from the start of text."""
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    n = min(windows, ids.numel() // window_len)
-    if n == 0:
-        raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of {window_len}")
-    return ids[: n * window_len].reshape(n, window_len)
-
-
 @torch.no_grad()
 def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 64, progress: bool = True) -> EvalResult:
-    """Evaluate `config` on token windows [n, W] (see `text_windows`)."""
+    """Evaluate `config` on token windows [n, W] (see `kvq_ao.models.text_windows`)."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     quantize_kv_(model, config)

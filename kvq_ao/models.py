@@ -98,3 +98,12 @@ def pydoc_text(split: str = "eval") -> str:
     else:
         raise ValueError(f"split must be 'eval' or 'calib', got {split!r}")
     return "\n\n".join(topics[n] for n in chosen)
+
+
+def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.Tensor:
+    """[n, window_len] token ids: consecutive, non-overlapping windows from the start of text."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    n = min(windows, ids.numel() // window_len)
+    if n == 0:
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of {window_len}")
+    return ids[: n * window_len].reshape(n, window_len)

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from conftest import tiny_llama
 from kvq_ao.api import make_cache, quantize_kv_
-from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.config import KVQuantConfig
 from kvq_ao.memory import estimate
 
 

@@ -16,7 +16,7 @@ from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, sp
 from kvq_ao.quant.rope import rotate, unrotate
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from test_ops import ORDER, _case, _quantized
+from test_ops import ORDER, _case
 
 
 # ----------------------------------------------------------------------------- pre-RoPE

@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from kvq_ao import KVQuantConfig
-from kvq_ao.eval import CHAT_PROMPTS, evaluate, generation_agreement, text_windows
-from kvq_ao.models import pydoc_text
+from kvq_ao.eval import CHAT_PROMPTS, evaluate, generation_agreement
+from kvq_ao.models import pydoc_text, text_windows
 
 pytestmark = pytest.mark.slow
 

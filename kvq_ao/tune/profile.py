@@ -111,7 +111,7 @@ class LayerProfile:
 
 
 def _model_identity(model) -> dict:
-    from kvq_ao.api import model_dims
+    from kvq_ao.model_info import model_dims
     from kvq_ao.calibrate import model_key
 
     layers, heads, head_dim = model_dims(model)
@@ -151,7 +151,7 @@ def kl_to(logp_fp: torch.Tensor, logp_q: torch.Tensor) -> float:
 def profile(model, ids: torch.Tensor, base: KVQuantConfig | None = None, candidates: list[Pair] = list(CANDIDATES),
             progress: bool = True) -> LayerProfile:  # fmt: skip
     """Profile every layer x candidate pair on ids [S, T] (see the module docstring)."""
-    from kvq_ao.api import model_dims
+    from kvq_ao.model_info import model_dims
 
     base = base or base_config()
     for p in candidates:
