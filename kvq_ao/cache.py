@@ -342,9 +342,13 @@ class QuantizedLayer(CacheLayerMixin):
         return keys, values
 
     @property
+    def clamped_by_kind(self) -> tuple[int, int]:
+        """(key, value) outlier entries clamped (not kept exact) because their vector's slots were full."""
+        return (self.k_body.clamped, self.v_body.clamped) if self.is_initialized else (0, 0)
+
+    @property
     def clamped_outliers(self) -> int:
-        """Outlier entries clamped (not kept exact) because their vector's slots were full."""
-        return self.k_body.clamped + self.v_body.clamped if self.is_initialized else 0
+        return sum(self.clamped_by_kind)
 
     # ------------------------------------------------------------------ transformers contract
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -438,8 +442,14 @@ class QuantizedKVCache(Cache):
         return sum(layer.tensor_bytes() for layer in self.layers)
 
     @property
+    def clamped_by_kind(self) -> tuple[int, int]:
+        """(key, value) outlier entries clamped because their vector's slots were full, all layers."""
+        kinds = [layer.clamped_by_kind for layer in self.layers]
+        return sum(k for k, _ in kinds), sum(v for _, v in kinds)
+
+    @property
     def clamped_outliers(self) -> int:
-        return sum(layer.clamped_outliers for layer in self.layers)
+        return sum(self.clamped_by_kind)
 
     def memory_report(self):
         from kvq_ao.memory import memory_report

@@ -42,6 +42,10 @@ class EvalResult:
     window: int
     chunk: int
     ppl_ratio_ci95: list[float] | None = None  # [low, high] over windows (None for one window)
+    # Fractions of all cached key / value entries that were outliers but found their vector's
+    # outlier slots full, so were clamped into the dense range instead of kept exact.
+    clamped_key_outliers: float = 0.0
+    clamped_value_outliers: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +76,7 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
     quantize_kv_(model, config)
     n, w = windows.shape
     nll = nll_fp = kl = agree = 0.0
-    counted = 0
+    counted = clamped_k = clamped_v = 0
     deltas = []  # per window: mean NLL (quantized) - mean NLL (fp)
     report = None
     bar = tqdm(total=n * math.ceil(w / chunk), desc=f"eval {config.name}", disable=not progress, leave=False)
@@ -96,8 +100,10 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
         agree += (q_logits.argmax(-1) == fp_logits.argmax(-1)).sum().item()
         counted += target.numel()
         report = cache.memory_report()
+        clamped_k, clamped_v = clamped_k + cache.clamped_by_kind[0], clamped_v + cache.clamped_by_kind[1]
     bar.close()
     layers, heads, head_dim = model_dims(model)
+    entries = n * w * layers * heads * head_dim  # per kind
     steady = estimate(config, layers, heads, head_dim, 4096)
     return EvalResult(
         config=config.name,
@@ -113,6 +119,8 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
         window=w,
         chunk=chunk,
         ppl_ratio_ci95=ratio_interval(deltas),
+        clamped_key_outliers=clamped_k / entries,
+        clamped_value_outliers=clamped_v / entries,
     )
 
 

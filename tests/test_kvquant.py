@@ -306,6 +306,30 @@ def test_static_one_token_path_equals_dynamic_path_with_kvquant_datatypes(dtype,
     assert dyn.clamped_outliers == static.clamped_outliers
 
 
+def test_evaluate_reports_the_clamped_outlier_fractions_the_cache_counted():
+    """`kvq eval` reports how many outliers did not fit their vector's slots, per kind, as a
+    fraction of all cached entries: the counts of caches fed the same windows, divided out here."""
+    from kvq_ao.eval import evaluate
+    from kvq_ao.model_info import model_dims
+
+    model = tiny_llama()
+    cfg = kvquant_config(bits=3, outliers=0.02)  # one slot per vector, 2% of entries past the thresholds
+    windows = torch.randint(3, 128, (2, 65), generator=torch.Generator().manual_seed(3))
+    result = evaluate(model, windows, cfg, chunk=16, progress=False)
+    keys = values = 0
+    for row in windows:
+        cache = make_cache(model, cfg)
+        with torch.no_grad():
+            for start in range(0, 65, 16):
+                model(row[None, start : start + 16], cache=cache)
+        keys, values = keys + cache.clamped_by_kind[0], values + cache.clamped_by_kind[1]
+    layers, heads, head_dim = model_dims(model)
+    entries = 2 * 65 * layers * heads * head_dim
+    assert keys > 0 and values > 0  # some vectors really overflowed
+    assert (result.clamped_key_outliers, result.clamped_value_outliers) == (keys / entries, values / entries)
+    assert cache.clamped_outliers == sum(cache.clamped_by_kind)
+
+
 def test_kvquant_cache_is_closer_to_fp_with_more_bits_and_memory_formula_holds():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 256))
