@@ -1,0 +1,69 @@
+"""Where a kvquant preset's loss comes from, on development text: keys, values, clamped outliers.
+
+For each width, kvquant-B-1pct in its chosen layout is evaluated as is, with its keys left in full
+precision, and with its values left in full precision, on the development text of
+`kvquant_recipe.py` (never the evaluation text), each calibrated for itself on the same
+calibration activations. Each row also reports the fraction of key and value entries whose
+outliers found their vector's slots full and were clamped. A diagnostic: no preset is chosen from
+it. Writes results/kvquant_error_sources.json and prints a table.
+
+    python benchmarks/kvquant_error_sources.py [--bits 4]
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, dev_windows
+
+from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.calibrate import calibrate, collect
+from kvq_ao.eval import evaluate
+from kvq_ao.models import load_model, pydoc_text, text_windows
+
+
+def variants(bits: int) -> list[tuple[str, KVQuantConfig]]:
+    preset = KVQuantConfig.preset(f"kvquant-{bits}-1pct")
+    key, value = preset.default.key, preset.default.value
+    return [
+        ("as is", preset),
+        ("keys in full precision", dataclasses.replace(preset, default=LayerKV(QuantSpec(None), value))),
+        ("values in full precision", dataclasses.replace(preset, default=LayerKV(key, QuantSpec(None)))),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bits", default="4")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="results/kvquant_error_sources.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2")
+    dev = dev_windows(tok, 8, 1025)
+    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
+    rows = []
+    for bits in [int(b) for b in args.bits.split(",")]:
+        for i, (label, config) in enumerate(variants(bits)):
+            name = f"kvquant-{bits}-1pct, {label}"
+            path = calibrate(model, None, config, activations=acts, progress=False).save(Path("/tmp/kvq-error-sources") / f"{bits}-{i}.json")
+            t0 = time.perf_counter()
+            r = evaluate(model, dev, dataclasses.replace(config, calibration=str(path), name=name))
+            row = dict(bits=bits, variant=label, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text="pydoc calib half after the calibration tokens", rows=rows), indent=2) + "\n")
+    print(f"\nSmolLM2-135M, development text ({args.out})")
+    print("| bits | variant | dev PPL | ΔPPL vs fp | KL to fp | keys clamped | values clamped |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['bits']} | {r['variant']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
+              f"{100 * r['clamped_key_outliers']:.2f}% | {100 * r['clamped_value_outliers']:.2f}% |")
+
+
+if __name__ == "__main__":
+    main()
