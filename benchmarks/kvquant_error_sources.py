@@ -12,17 +12,13 @@ it. Writes results/kvquant_error_sources.json and prints a table.
 
 import argparse
 import dataclasses
-import json
-import time
-from datetime import date
 from pathlib import Path
 
 import torch
-from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, dev_windows
+from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, calibrated_dev_row, dev_windows, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
-from kvq_ao.calibrate import calibrate, collect
-from kvq_ao.eval import evaluate
+from kvq_ao.calibrate import collect
 from kvq_ao.models import load_model, pydoc_text, text_windows
 
 
@@ -49,14 +45,10 @@ def main() -> None:
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
         for i, (label, config) in enumerate(variants(bits)):
-            name = f"kvquant-{bits}-1pct, {label}"
-            path = calibrate(model, None, config, activations=acts, progress=False).save(Path("/tmp/kvq-error-sources") / f"{bits}-{i}.json")
-            t0 = time.perf_counter()
-            r = evaluate(model, dev, dataclasses.replace(config, calibration=str(path), name=name))
-            row = dict(bits=bits, variant=label, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text="pydoc calib half after the calibration tokens", rows=rows), indent=2) + "\n")
+            config = dataclasses.replace(config, name=f"kvquant-{bits}-1pct, {label}")
+            rows.append(calibrated_dev_row(model, dev, acts, config, Path("/tmp/kvq-error-sources") / f"{bits}-{i}.json",
+                                           bits=bits, variant=label))  # fmt: skip
+    save_dev_rows(args.out, rows)
     print(f"\nSmolLM2-135M, development text ({args.out})")
     print("| bits | variant | dev PPL | ΔPPL vs fp | KL to fp | keys clamped | values clamped |")
     print("|---|---|---|---|---|---|---|")

@@ -35,6 +35,7 @@ TARGETS = {4: 0.005, 3: 0.03, 2: 0.15}  # the issue's PPL-loss targets for kvqua
 SINKS = (1, 5)
 WINDOWS = (0, 32, 128)
 CALIB_SAMPLES, CALIB_LEN = 16, 512  # what `kvq calibrate` uses: the first 8192 tokens of the half
+DEV_TEXT = "pydoc calib half after the calibration tokens"
 
 
 def dev_windows(tok, n: int, length: int) -> torch.Tensor:
@@ -42,6 +43,21 @@ def dev_windows(tok, n: int, length: int) -> torch.Tensor:
     if ids.numel() < n * length:
         raise ValueError(f"development text has {ids.numel()} tokens, fewer than {n} x {length}")
     return ids[: n * length].reshape(n, length)
+
+
+def calibrated_dev_row(model, dev: torch.Tensor, acts, config: KVQuantConfig, path: Path, **labels) -> dict:
+    """Calibrate `config` on the shared calibration activations (saved to `path`), evaluate it on the
+    development windows and print and return its row: `labels`, the result, seconds."""
+    saved = calibrate(model, None, config, activations=acts, progress=False).save(path)
+    t0 = time.perf_counter()
+    r = evaluate(model, dev, dataclasses.replace(config, calibration=str(saved)))
+    row = dict(**labels, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def save_dev_rows(out: str, rows: list[dict]) -> None:
+    Path(out).write_text(json.dumps(dict(date=str(date.today()), text=DEV_TEXT, rows=rows), indent=2) + "\n")
 
 
 def choose(rows: list[dict], target: float) -> dict:
@@ -88,7 +104,7 @@ def main() -> None:
         best = choose(mine, TARGETS[bits])
         chosen[bits] = dict(sink=best["sink"], fp_window=best["fp_window"], meets_target=best["ppl_ratio"] - 1 <= TARGETS[bits])
         Path(args.out).parent.mkdir(exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text="pydoc calib half after the calibration tokens",
+        Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text=DEV_TEXT,
                                                   tokens=int(dev.shape[0] * (dev.shape[1] - 1)), targets=TARGETS,
                                                   chosen=chosen, rows=rows), indent=2) + "\n")  # fmt: skip
     print(f"\nSmolLM2-135M, development text ({args.out})")

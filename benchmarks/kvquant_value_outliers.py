@@ -12,18 +12,14 @@ results/kvquant_value_outliers.json and prints a table.
 
 import argparse
 import dataclasses
-import json
-import time
-from datetime import date
 from pathlib import Path
 
 import torch
-from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, dev_windows
+from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, calibrated_dev_row, dev_windows, save_dev_rows
 
 from kvq_ao import KVQuantConfig
-from kvq_ao.calibrate import calibrate, collect
+from kvq_ao.calibrate import collect
 from kvq_ao.config import LayerKV
-from kvq_ao.eval import evaluate
 from kvq_ao.models import load_model, pydoc_text, text_windows
 
 
@@ -43,14 +39,9 @@ def main() -> None:
         for rule in ("channel", "vector"):
             value = dataclasses.replace(preset.default.value, outlier_rule=rule)
             config = dataclasses.replace(preset, default=LayerKV(preset.default.key, value), name=f"{preset.name} values by {rule}")
-            path = calibrate(model, None, config, activations=acts, progress=False).save(Path("/tmp/kvq-value-outliers") / f"{bits}-{rule}.json")
-            t0 = time.perf_counter()
-            r = evaluate(model, dev, dataclasses.replace(config, calibration=str(path)))
-            row = dict(bits=bits, value_outliers=rule, preset_uses=preset.default.value.outlier_rule, **r.as_dict(),
-                       seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text="pydoc calib half after the calibration tokens", rows=rows), indent=2) + "\n")
+            rows.append(calibrated_dev_row(model, dev, acts, config, Path("/tmp/kvq-value-outliers") / f"{bits}-{rule}.json",
+                                           bits=bits, value_outliers=rule, preset_uses=preset.default.value.outlier_rule))  # fmt: skip
+    save_dev_rows(args.out, rows)
     print(f"\nSmolLM2-135M, development text ({args.out})")
     print("| bits | value outliers | dev PPL | ΔPPL vs fp | KL to fp | top-1 agreement | preset uses |")
     print("|---|---|---|---|---|---|---|")

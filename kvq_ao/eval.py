@@ -100,7 +100,8 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
         agree += (q_logits.argmax(-1) == fp_logits.argmax(-1)).sum().item()
         counted += target.numel()
         report = cache.memory_report()
-        clamped_k, clamped_v = clamped_k + cache.clamped_by_kind[0], clamped_v + cache.clamped_by_kind[1]
+        window_k, window_v = cache.clamped_by_kind
+        clamped_k, clamped_v = clamped_k + window_k, clamped_v + window_v
     bar.close()
     layers, heads, head_dim = model_dims(model)
     entries = n * w * layers * heads * head_dim  # per kind
