@@ -28,7 +28,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
-from kvq_ao.quant.outliers import outlier_slots
 from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.rope import unrotate
 from kvq_ao.tensor import QuantizedKV
@@ -69,7 +68,7 @@ class _BodyStore:
         self.spec, self.scale_dtype = spec, scale_dtype
         b, h = lead
         self.codebook = _codebook_for(spec, calib).to(device)
-        self.n_outliers = outlier_slots(spec.outliers, head_dim) if spec.is_quantized else 0
+        self.n_outliers = spec.outlier_slots(head_dim)
         self.lo = self.hi = torch.zeros(0, device=device)
         if self.n_outliers and spec.outlier_rule == "channel":  # "vector": judged online, lo/hi stay empty
             if calib is None or calib.lo is None or calib.hi is None:

@@ -37,7 +37,7 @@ from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.models import cache_dir, pydoc_text, text_windows
 from kvq_ao.quant.rope import rotate
 from kvq_ao.quant.codebook import normalize
-from kvq_ao.quant.outliers import outlier_slots, split_vector_outliers
+from kvq_ao.quant.outliers import split_vector_outliers
 from kvq_ao.quant.uniform import AXIS_CHANNEL
 
 CALIBRATION_VERSION = 1
@@ -255,7 +255,7 @@ def normalized(x: torch.Tensor, spec: QuantSpec, sink: int, lo: torch.Tensor | N
     """
     keep = torch.ones_like(x, dtype=torch.bool)
     if spec.outliers > 0 and spec.outlier_rule == "vector":
-        x, _, _, is_outlier = split_vector_outliers(x, outlier_slots(spec.outliers, x.shape[-1]), spec.group_size)
+        x, _, _, is_outlier = split_vector_outliers(x, spec.outlier_slots(x.shape[-1]), spec.group_size)
         keep &= ~is_outlier
     if lo is not None:
         lo4, hi4 = lo[None, :, None, :], hi[None, :, None, :]

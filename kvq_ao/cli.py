@@ -186,6 +186,7 @@ def cmd_presets(args) -> int:
             if not s.is_quantized:
                 return "fp"
             extra = ("" if s.dtype == "int" else f" {s.dtype}") + (f" +{s.outliers:.0%} outliers" if s.outliers else "")
+            extra += f" (<= {s.max_outliers} a vector)" if s.max_outliers else ""
             return f"{s.bits}-bit {s.axis} g{s.group_size}{extra}"
 
         rope = " (pre-RoPE keys)" if cfg.pre_rope_keys else ""

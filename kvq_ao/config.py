@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvq_ao._torchao import AOBaseConfig
+from kvq_ao.quant.outliers import outlier_slots
 from kvq_ao.quant.packing import SUPPORTED_BITS
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
@@ -46,6 +47,10 @@ class QuantSpec:
           keys); "vector" takes each vector's entries furthest from its mean, online, with no
           calibration (KVQuant's values, whose thresholds are computed per token); "vector" needs
           axis "token", whose groups the removed entries stop stretching.
+    max_outliers: outlier slots each vector has (the sparse side structure's fixed size); None
+          gives room for the fraction itself, ceil(outliers * head_dim). Outliers cluster: with
+          one slot per 64-entry key vector, 0.4% of SmolLM2's key entries still fall outside their
+          channel range with no slot left and are clamped, so a preset may give them more room.
     """
 
     bits: int | None = None
@@ -54,6 +59,7 @@ class QuantSpec:
     dtype: str = "int"
     outliers: float = 0.0
     outlier_rule: str = "channel"
+    max_outliers: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -74,6 +80,11 @@ class QuantSpec:
         if self.outlier_rule == "vector" and self.axis != "token":
             raise ValueError("outlier_rule 'vector' needs axis 'token' (per-channel groups span tokens, "
                              "so a vector's own extremes do not set their range); use 'channel'")  # fmt: skip
+        if self.max_outliers is not None:
+            if isinstance(self.max_outliers, bool) or not isinstance(self.max_outliers, int) or self.max_outliers < 1:
+                raise ValueError(f"max_outliers must be a positive int or None, got {self.max_outliers!r}")
+            if not self.outliers:
+                raise ValueError("max_outliers needs outliers > 0 (it sizes the room for them)")
 
     @property
     def needs_calibration(self) -> bool:
@@ -92,9 +103,18 @@ class QuantSpec:
         """Tokens that must arrive before they can be quantized together."""
         return self.group_size if self.is_quantized and self.axis == "channel" else 1
 
+    def outlier_slots(self, head_dim: int) -> int:
+        """Outlier slots of each vector: `max_outliers`, or ceil(outliers * head_dim); 0 unquantized."""
+        if not self.is_quantized or not self.outliers:
+            return 0
+        room = outlier_slots(self.outliers, head_dim)  # also checks head_dim fits the uint8 indices
+        return room if self.max_outliers is None else self.max_outliers
+
     def check_head_dim(self, head_dim: int) -> None:
         if not self.is_quantized:
             return
+        if self.max_outliers is not None and self.max_outliers > head_dim:
+            raise ValueError(f"max_outliers {self.max_outliers} exceeds head_dim {head_dim}")
         if self.axis == "token" and head_dim % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide head_dim {head_dim}")
         per_word = 8 if self.bits == 3 else max(1, 8 // self.bits)
@@ -106,6 +126,7 @@ class QuantSpec:
             return "fp"
         kind = {"int": "int", "nf": "nf", "nuq": "nuq"}[self.dtype]
         out = f"+{self.outliers:.0%}" + ("v" if self.outlier_rule == "vector" else "") if self.outliers else ""
+        out += f"x{self.max_outliers}" if self.max_outliers is not None else ""
         return f"{kind}{self.bits}-{self.axis[0]}{self.group_size}{out}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,16 +137,18 @@ class QuantSpec:
             d["outliers"] = self.outliers
         if self.outlier_rule != "channel":
             d["outlier_rule"] = self.outlier_rule
+        if self.max_outliers is not None:
+            d["max_outliers"] = self.max_outliers
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule"}, "QuantSpec")
+        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers"}, "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
         return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32),
                    dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0),
-                   outlier_rule=d.get("outlier_rule", "channel"))  # fmt: skip
+                   outlier_rule=d.get("outlier_rule", "channel"), max_outliers=d.get("max_outliers"))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)
@@ -330,6 +353,13 @@ KVQUANT_LAYOUT: dict[int, tuple[int, int]] = {4: (5, 32), 3: (1, 32), 2: (1, 32)
 # width: 0.0736 -> 0.0596, 0.0174 -> 0.0165, 0.0049 -> 0.0044, but PPL is the issue's measure).
 VALUE_OUTLIER_RULE: dict[int, str] = {4: "channel", 3: "channel", 2: "vector"}
 
+# Outlier slots each key vector of the -1pct presets has (None: ceil(1% x head_dim), one at head_dim 64).
+# At 4 bits one slot left 0.39% of SmolLM2's key entries clamped; chosen on development text by
+# benchmarks/kvquant_key_slots.py (2026-12-01, rule fixed before the run: the fewest of 1/2/3 slots
+# within 0.1 point of the best): 1 slot +0.49%, 2 slots +0.35%, 3 slots +0.35%, at 6.55 / 6.86 / 7.17
+# bits per element. The 3- and 2-bit presets were not re-examined (they meet their targets).
+KEY_OUTLIER_SLOTS: dict[int, int | None] = {4: 2, 3: None, 2: None}
+
 
 def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
     """KVQuant: pre-RoPE per-channel keys, per-token values, calibrated nuq levels, an attention sink
@@ -343,7 +373,7 @@ def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
     """
     sink, window = KVQUANT_LAYOUT[bits]
     return KVQuantConfig(
-        default=LayerKV(QuantSpec(bits, "channel", 128, "nuq", outliers),
+        default=LayerKV(QuantSpec(bits, "channel", 128, "nuq", outliers, max_outliers=KEY_OUTLIER_SLOTS[bits] if outliers else None),
                         QuantSpec(bits, "token", 32, "nuq", outliers, VALUE_OUTLIER_RULE[bits] if outliers else "channel")),
         sink_tokens=sink,
         residual_length=window,

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
-from kvq_ao.quant.outliers import outlier_slots
 
 _SIDE_POS_BYTES = 8  # int64 positions
 
@@ -27,7 +26,7 @@ def body_bytes(spec: QuantSpec, heads: int, head_dim: int, tokens: int, dtype_by
         return heads * tokens * head_dim * dtype_bytes
     codes = heads * tokens * head_dim * spec.bits // 8
     meta_rows = tokens * head_dim // spec.group_size  # per-token: T x D/G; per-channel: T/G x D
-    sparse = heads * tokens * outlier_slots(spec.outliers, head_dim) * (dtype_bytes + 1)
+    sparse = heads * tokens * spec.outlier_slots(head_dim) * (dtype_bytes + 1)
     codebook = 4 * 2**spec.bits if spec.dtype != "int" else 0
     return codes + 2 * heads * meta_rows * scale_bytes + sparse + codebook
 

@@ -35,7 +35,7 @@ def smollm2():
 
 def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pre_rope: bool = True, sink: int = 1,
                    key_group: int = 16, value_group: int = 32, value_outlier_rule: str = "channel", model=None,
-                   folder=None):  # fmt: skip
+                   folder=None, key_slots: int | None = None):  # fmt: skip
     """A KVQuant-style config calibrated for tiny_llama() on random tokens (saved under `folder`)."""
     import dataclasses
     import tempfile
@@ -46,9 +46,9 @@ def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pr
 
     model = model or tiny_llama()
     cfg = KVQuantConfig(
-        default=LayerKV(QuantSpec(bits, "channel", key_group, dtype, outliers),
+        default=LayerKV(QuantSpec(bits, "channel", key_group, dtype, outliers, max_outliers=key_slots),
                         QuantSpec(bits, "token", value_group, dtype, outliers, value_outlier_rule)),
-        sink_tokens=sink, pre_rope_keys=pre_rope, name=f"tiny-kvquant-{dtype}{bits}-{outliers}-{value_outlier_rule}",
+        sink_tokens=sink, pre_rope_keys=pre_rope, name=f"tiny-kvquant-{dtype}{bits}-{outliers}-{value_outlier_rule}-{key_slots}",
     )  # fmt: skip
     if not cfg.needs_calibration:
         return cfg

@@ -87,3 +87,18 @@ def test_invalid_json_files_are_rejected_with_the_reason(tmp_path, text, message
 def test_config_is_frozen():
     with pytest.raises(Exception):
         KVQuantConfig.preset("int8").residual_length = 3
+
+
+def test_max_outliers_sizes_the_slots_round_trips_and_is_checked():
+    spec = QuantSpec(4, "channel", 128, "nuq", 0.01, max_outliers=2)
+    assert (spec.outlier_slots(64), QuantSpec(4, "channel", 128, "nuq", 0.01).outlier_slots(64)) == (2, 1)
+    assert QuantSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert spec.label() == "nuq4-c128+1%x2" and "max_outliers" not in QuantSpec(4, outliers=0.01).to_dict()
+    assert QuantSpec(None, outliers=0.01, max_outliers=2).outlier_slots(64) == 0  # full precision holds no slots
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="max_outliers must be a positive int"):
+            QuantSpec(4, outliers=0.01, max_outliers=bad)
+    with pytest.raises(ValueError, match="max_outliers needs outliers > 0"):
+        QuantSpec(4, max_outliers=2)
+    with pytest.raises(ValueError, match="max_outliers 65 exceeds head_dim 64"):
+        QuantSpec(4, outliers=0.01, max_outliers=65).check_head_dim(64)

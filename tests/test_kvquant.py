@@ -330,6 +330,25 @@ def test_evaluate_reports_the_clamped_outlier_fractions_the_cache_counted():
     assert cache.clamped_outliers == sum(cache.clamped_by_kind)
 
 
+def test_more_key_outlier_slots_clamp_fewer_outliers_and_are_counted_in_memory():
+    """`max_outliers` gives each key vector more room: the cache holds that many slots, fewer
+    outliers are clamped for want of one, and the memory estimate counts the extra slots."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(5))
+    clamped, held = {}, {}
+    for slots in (None, 3):
+        cfg = kvquant_config(bits=3, outliers=0.01, key_slots=slots)  # ceil(1% of 64) = 1 slot by default
+        quantize_kv_(model, cfg)
+        cache = make_cache(model)
+        with torch.no_grad():
+            model(ids, cache=cache)
+        assert {layer.k_body.out_val.shape[-1] for layer in cache.layers} == {slots or 1}
+        assert {layer.v_body.out_val.shape[-1] for layer in cache.layers} == {1}
+        clamped[slots], held[slots] = cache.clamped_by_kind[0], cache.tensor_bytes()
+        assert abs(cache.memory_report().bytes - held[slots]) / held[slots] < 0.01
+    assert 0 <= clamped[3] < clamped[None] and held[3] > held[None]
+
+
 def test_kvquant_cache_is_closer_to_fp_with_more_bits_and_memory_formula_holds():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 256))

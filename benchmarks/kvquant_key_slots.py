@@ -1,0 +1,72 @@
+"""How many outlier slots each key vector of kvquant-4-1pct gets, chosen on development text.
+
+kvquant-4-1pct missed its 0.5% target on the evaluation text by 0.01 point, and
+kvquant_error_sources.py traced most of its loss to the keys, 0.39% of whose entries lie outside
+their channel's calibrated range but find their vector's one outlier slot (ceil(1% x 64)) taken
+and are clamped. The thresholds still flag 1% of entries; only the room per vector changes.
+Candidates: 1 (as is), 2 or 3 key slots; the values keep theirs (leaving values in full
+precision did not help, same diagnostic). Each calibrated for itself on the shared calibration
+activations, evaluated on the development text of `kvquant_recipe.py` (never the evaluation text).
+
+Rule, fixed before running (2026-12-01 18:37 UTC): take the fewest slots whose development PPL loss
+is within 0.1 point of the best candidate's (0.1 point: how far float rounding alone moved this
+preset's development PPL, README); so the preset changes only if more room beats one slot by more
+than that. Writes results/kvquant_key_slots.json and prints a table.
+
+    python benchmarks/kvquant_key_slots.py
+"""
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, calibrated_dev_row, dev_windows, save_dev_rows
+
+from kvq_ao import KVQuantConfig, LayerKV
+from kvq_ao.calibrate import collect
+from kvq_ao.models import load_model, pydoc_text, text_windows
+
+SLOTS = (1, 2, 3)
+MARGIN = 0.001  # 0.1 point of PPL loss
+
+
+def with_key_slots(preset: KVQuantConfig, slots: int) -> KVQuantConfig:
+    key = dataclasses.replace(preset.default.key, max_outliers=slots)
+    return dataclasses.replace(preset, default=LayerKV(key, preset.default.value), name=f"{preset.name}, {slots} key slots")
+
+
+def choose(rows: list[dict]) -> dict:
+    best = min(r["ppl_ratio"] for r in rows)
+    return min((r for r in rows if r["ppl_ratio"] <= best + MARGIN), key=lambda r: r["key_slots"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="kvquant-4-1pct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="results/kvquant_key_slots.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2")
+    dev = dev_windows(tok, 8, 1025)
+    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
+    preset = KVQuantConfig.preset(args.preset)
+    rows = [calibrated_dev_row(model, dev, acts, with_key_slots(preset, s), Path("/tmp/kvq-key-slots") / f"{s}.json",
+                               key_slots=s) for s in SLOTS]  # fmt: skip
+    save_dev_rows(args.out, rows)
+    chosen = choose(rows)
+    data = json.loads(Path(args.out).read_text())
+    Path(args.out).write_text(json.dumps(dict(data, preset=args.preset, margin=MARGIN, chosen=chosen["key_slots"]), indent=2) + "\n")
+    print(f"\nSmolLM2-135M, {args.preset}, development text ({args.out})")
+    print("| key slots | dev PPL | ΔPPL vs fp | KL to fp | keys clamped | bits/element at 4096 | chosen |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        mark = "**yes**" if r is chosen else ""
+        print(f"| {r['key_slots']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
+              f"{100 * r['clamped_key_outliers']:.2f}% | {r['avg_bits_at_4096']:.2f} | {mark} |")
+
+
+if __name__ == "__main__":
+    main()
