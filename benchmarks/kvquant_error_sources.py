@@ -14,12 +14,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-import torch
-from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, calibrated_dev_row, dev_windows, save_dev_rows
+from kvquant_recipe import calibrated_dev_row, dev_setup, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
-from kvq_ao.calibrate import collect
-from kvq_ao.models import load_model, pydoc_text, text_windows
 
 
 def variants(bits: int) -> list[tuple[str, KVQuantConfig]]:
@@ -38,10 +35,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/kvquant_error_sources.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2")
-    dev = dev_windows(tok, 8, 1025)
-    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
+    model, dev, acts = dev_setup(args.threads)
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
         for i, (label, config) in enumerate(variants(bits)):

@@ -21,12 +21,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
-from kvquant_recipe import CALIB_LEN, CALIB_SAMPLES, calibrated_dev_row, dev_windows, save_dev_rows
+from kvquant_recipe import calibrated_dev_row, dev_setup, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV
-from kvq_ao.calibrate import collect
-from kvq_ao.models import load_model, pydoc_text, text_windows
 
 SLOTS = (1, 2, 3)
 MARGIN = 0.001  # 0.1 point of PPL loss
@@ -48,10 +45,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/kvquant_key_slots.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2")
-    dev = dev_windows(tok, 8, 1025)
-    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
+    model, dev, acts = dev_setup(args.threads)
     preset = KVQuantConfig.preset(args.preset)
     rows = [calibrated_dev_row(model, dev, acts, with_key_slots(preset, s), Path("/tmp/kvq-key-slots") / f"{s}.json",
                                key_slots=s) for s in SLOTS]  # fmt: skip
