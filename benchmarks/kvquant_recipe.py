@@ -45,13 +45,13 @@ def dev_windows(tok, n: int, length: int) -> torch.Tensor:
     return ids[: n * length].reshape(n, length)
 
 
-def dev_setup(threads: int):
-    """(model, development windows 8 x 1025, calibration activations) that the development-text
-    benchmarks share: SmolLM2, the text of `dev_windows`, and pre-RoPE activations of the
-    calibration samples `kvq calibrate` uses."""
+def dev_setup(threads: int, windows: int = 8):
+    """(model, development windows `windows` x 1025, calibration activations) that the
+    development-text benchmarks share: SmolLM2, the text of `dev_windows`, and pre-RoPE activations
+    of the calibration samples `kvq calibrate` uses."""
     torch.set_num_threads(threads)
     model, tok = load_model("smollm2")
-    dev = dev_windows(tok, 8, 1025)
+    dev = dev_windows(tok, windows, 1025)
     acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
     return model, dev, acts
 
