@@ -51,13 +51,18 @@ def main() -> None:
     parser.add_argument("--out", default="results/kvquant_window_margin.json")
     args = parser.parse_args()
     model, dev, acts = dev_setup(args.threads, args.windows)
+    widths = [int(b) for b in args.bits.split(",")]
     rows, chosen = [], {}
+    if Path(args.out).exists():  # keep the other widths' rows, so widths can be run one at a time
+        old = json.loads(Path(args.out).read_text())
+        rows = [r for r in old["rows"] if r["bits"] not in widths]
+        chosen = {int(b): c for b, c in old["chosen"].items() if int(b) not in widths}
 
     def save() -> None:
         Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text=DEV_TEXT, tokens=int(dev.shape[0] * (dev.shape[1] - 1)),
                                                   targets=TARGETS, chosen=chosen, rows=rows), indent=2) + "\n")  # fmt: skip
 
-    for bits in [int(b) for b in args.bits.split(",")]:
+    for bits in widths:
         preset = KVQuantConfig.preset(f"kvquant-{bits}-1pct")
         path = calibrate(model, None, preset, activations=acts, progress=False).save(Path("/tmp/kvq-window-margin") / f"{bits}.json")
         mine = []
