@@ -24,16 +24,13 @@ results/kvquant_key_blocks.json after every row and prints a table.
 import argparse
 import dataclasses
 import json
-import time
 from datetime import date
 from pathlib import Path
 
-from kvquant_recipe import DEV_TEXT, TARGETS, dev_setup
+from kvquant_recipe import DEV_TEXT, TARGETS, calibrated_dev_row, dev_setup
 from kvquant_window_margin import within
 
 from kvq_ao import KVQuantConfig, LayerKV
-from kvq_ao.calibrate import calibrate
-from kvq_ao.eval import evaluate
 
 BLOCKS = (64, 32)  # 128 is the preset's own, measured by kvquant_window_margin.py
 
@@ -61,11 +58,8 @@ def main() -> None:
     for block in BLOCKS:
         key = dataclasses.replace(preset.default.key, group_size=block)
         config = dataclasses.replace(preset, default=LayerKV(key, preset.default.value), name=f"{preset.name} key block {block}")
-        path = calibrate(model, None, config, activations=acts, progress=False).save(Path("/tmp/kvq-key-blocks") / f"{block}.json")
-        t0 = time.perf_counter()
-        r = evaluate(model, dev, dataclasses.replace(config, calibration=str(path)))
-        row = dict(key_block=block, bits=4, sink=preset.sink_tokens, fp_window=window, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
-        print(json.dumps(row), flush=True)
+        row = calibrated_dev_row(model, dev, acts, config, Path("/tmp/kvq-key-blocks") / f"{block}.json",
+                                 key_block=block, bits=4, sink=preset.sink_tokens, fp_window=window)  # fmt: skip
         rows.append(row)
         save(None)
         if within(row, TARGETS[4]):

@@ -57,14 +57,28 @@ def dev_setup(threads: int, windows: int = 8):
 
 
 def calibrated_dev_row(model, dev: torch.Tensor, acts, config: KVQuantConfig, path: Path, **labels) -> dict:
-    """Calibrate `config` on the shared calibration activations (saved to `path`), evaluate it on the
-    development windows and print and return its row: `labels`, the result, seconds."""
+    """Calibrate `config` on the shared calibration activations (saved to `path`), then `dev_row`."""
     saved = calibrate(model, None, config, activations=acts, progress=False).save(path)
+    return dev_row(model, dev, dataclasses.replace(config, calibration=str(saved)), **labels)
+
+
+def dev_row(model, dev: torch.Tensor, config: KVQuantConfig, **labels) -> dict:
+    """Evaluate `config` on the development windows; print and return its row: `labels`, the result, seconds."""
     t0 = time.perf_counter()
-    r = evaluate(model, dev, dataclasses.replace(config, calibration=str(saved)))
+    r = evaluate(model, dev, config)
     row = dict(**labels, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
     print(json.dumps(row), flush=True)
     return row
+
+
+def kept_rows(out: str, widths: list[int]) -> tuple[list[dict], dict[int, dict]]:
+    """(rows, chosen) of the bit widths *not* in `widths` from an earlier results file at `out`, so
+    widths can be re-measured one at a time without losing the others."""
+    if not Path(out).exists():
+        return [], {}
+    old = json.loads(Path(out).read_text())
+    rows = [r for r in old["rows"] if r["bits"] not in widths]
+    return rows, {int(b): c for b, c in old["chosen"].items() if int(b) not in widths}
 
 
 def save_dev_rows(out: str, rows: list[dict]) -> None:
@@ -91,11 +105,7 @@ def main() -> None:
     dev = dev_windows(tok, args.windows, args.window_len)
     acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
     widths = [int(b) for b in args.bits.split(",")]
-    rows, chosen = [], {}
-    if Path(args.out).exists():  # keep the other widths' rows, so widths can be re-measured one at a time
-        old = json.loads(Path(args.out).read_text())
-        rows = [r for r in old["rows"] if r["bits"] not in widths]
-        chosen = {int(b): c for b, c in old["chosen"].items() if int(b) not in widths}
+    rows, chosen = kept_rows(args.out, widths)
     for bits in widths:
         base = KVQuantConfig.preset(f"kvquant-{bits}-1pct")
         mine = []

@@ -25,15 +25,13 @@ results/kvquant_window_margin.json after every row and prints a table.
 import argparse
 import dataclasses
 import json
-import time
 from datetime import date
 from pathlib import Path
 
-from kvquant_recipe import DEV_TEXT, TARGETS, dev_setup
+from kvquant_recipe import DEV_TEXT, TARGETS, dev_row, dev_setup, kept_rows
 
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibrate import calibrate
-from kvq_ao.eval import evaluate
 
 FP_WINDOWS = (32, 64, 128)
 
@@ -52,11 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     model, dev, acts = dev_setup(args.threads, args.windows)
     widths = [int(b) for b in args.bits.split(",")]
-    rows, chosen = [], {}
-    if Path(args.out).exists():  # keep the other widths' rows, so widths can be run one at a time
-        old = json.loads(Path(args.out).read_text())
-        rows = [r for r in old["rows"] if r["bits"] not in widths]
-        chosen = {int(b): c for b, c in old["chosen"].items() if int(b) not in widths}
+    rows, chosen = kept_rows(args.out, widths)
 
     def save() -> None:
         Path(args.out).write_text(json.dumps(dict(date=str(date.today()), text=DEV_TEXT, tokens=int(dev.shape[0] * (dev.shape[1] - 1)),
@@ -68,10 +62,7 @@ def main() -> None:
         mine = []
         for window in FP_WINDOWS:
             config = dataclasses.replace(preset, residual_length=window, calibration=str(path), name=f"{preset.name} window={window}")
-            t0 = time.perf_counter()
-            r = evaluate(model, dev, config)
-            row = dict(bits=bits, sink=preset.sink_tokens, fp_window=window, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
-            print(json.dumps(row), flush=True)
+            row = dev_row(model, dev, config, bits=bits, sink=preset.sink_tokens, fp_window=window)
             rows.append(row)
             mine.append(row)
             if within(row, TARGETS[bits]):
