@@ -38,6 +38,8 @@ FP_WINDOWS = (32, 64, 128)
 
 def within(row: dict, target: float) -> bool:
     """The whole 95% interval of the PPL ratio lies within the target."""
+    if row["ppl_ratio_ci95"] is None:
+        raise SystemExit("the rule needs a 95% interval, which needs at least 2 windows (--windows)")
     return row["ppl_ratio_ci95"][1] - 1 <= target
 
 
