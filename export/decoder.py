@@ -120,3 +120,6 @@ def greedy_generate(step, prompt_ids: list[int], max_new_tokens: int, max_seq_le
         if i + 1 < max_new_tokens:
             logits.append(step(tok, len(prompt_ids) + i))
     return new, logits
+
+
+__all__ = ["DecodeStep", "check_prompt", "export_decode_step", "greedy_generate"]

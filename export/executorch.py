@@ -103,3 +103,6 @@ class ExecuTorchRunner:
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
         """(new token ids, logits of every step: prompt tokens then generated ones)."""
         return greedy_generate(self.step, prompt_ids, max_new_tokens, self.max_seq_len)
+
+
+__all__ = ["ExecuTorchRunner", "ExportedPte", "export_executorch"]

@@ -87,3 +87,6 @@ class OnnxRunner:
         """(new token ids, logits of every step: prompt tokens then generated ones)."""
         self.reset()
         return greedy_generate(self.step, prompt_ids, max_new_tokens, self.max_seq_len)
+
+
+__all__ = ["OnnxRunner", "export_onnx"]

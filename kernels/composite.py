@@ -89,6 +89,13 @@ def _weighted_sum(p: torch.Tensor, v: torch.Tensor, matmul: bool) -> torch.Tenso
     return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(-2)
 
 
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma-2's logit soft-capping, softcap * tanh(s / softcap); softcap 0 leaves the scores."""
+    if softcap <= 0:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
 def _masks(mask, side_pos, body_start: int, body_end, t: int):
     """Which body positions and side entries each query may read: ([B,h,Tq,T], [B,h,Tq,S])."""
     positions = torch.arange(t, device=mask.device)
@@ -127,6 +134,7 @@ def attention(
     v_bits: int,
     v_axis: int,
     v_group: int,
+    softcap: float = 0.0,
     *,
     target: str = "export",
 ) -> torch.Tensor:
@@ -134,7 +142,8 @@ def attention(
 
     GQA: Hq must be a multiple of the cache's Hkv. `mask` is bool [B, 1 or Hq, Tq, T] (True =
     may attend) over the body's T positions; side entries use the mask column of their position.
-    Queries with nothing to attend to return zeros (left padding).
+    Queries with nothing to attend to return zeros (left padding). `softcap` > 0 caps the scaled
+    logits as softcap * tanh(s / softcap) before masking (Gemma-2's attention soft-capping).
 
     `target` says who runs the graph; it changes no value, only its form (each choice measured at
     8192 cached tokens):
@@ -178,8 +187,8 @@ def attention(
             # cos/sin table computed once per layer.
             cos, sin = cos_sin(torch.arange(t, device=k.device), rope_inv_freq)
             k = realize(rotate_with(k, realize(cos), realize(sin), rope_scale))
-        s_body = _scores(qv, k, matmul) * scaling  # [B, Hkv, n, T]
-        s_side = _scores(qv, sk, matmul) * scaling  # [B, Hkv, n, S]
+        s_body = _capped(_scores(qv, k, matmul) * scaling, softcap)  # [B, Hkv, n, T]
+        s_side = _capped(_scores(qv, sk, matmul) * scaling, softcap)  # [B, Hkv, n, S]
         # mask heads: 1 (shared) or Hq -> broadcast against [B, Hkv, n, positions]
         heads = (hkv, n) if body_mask.shape[1] > 1 else (1, 1)
         s_body = s_body.masked_fill(~body_mask.reshape(b, *heads, t), float("-inf"))
@@ -198,9 +207,21 @@ def attention(
     keys = torch.cat([k, sk], dim=2)
     values = torch.cat([v, sv], dim=2)
     full_mask = torch.cat([body_mask, side_mask], dim=-1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), keys, values, attn_mask=full_mask, scale=scaling, enable_gqa=True
-    )
+    if softcap > 0:  # SDPA cannot cap its logits: spell the softmax out
+        kq = keys.repeat_interleave(n, dim=1)
+        scores = _capped(torch.matmul(q.float(), kq.transpose(-1, -2)) * scaling, softcap)
+        scores = scores.masked_fill(~full_mask, float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+        denom = p.sum(-1, keepdim=True)
+        out = torch.matmul(p, values.repeat_interleave(n, dim=1)) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), keys, values, attn_mask=full_mask, scale=scaling, enable_gqa=True
+        )
     any_key = full_mask.any(-1, keepdim=True)
     out = torch.where(any_key, out, torch.zeros_like(out))
     return out.to(q.dtype)
+
+
+__all__ = ["attention", "dequantize", "quantize", "TARGETS"]

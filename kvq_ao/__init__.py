@@ -3,24 +3,83 @@
     from kvq_ao import KVQuantConfig, quantize_kv_
     quantize_kv_(model, KVQuantConfig.preset("kivi-4"))
     model.generate(ids, max_new_tokens=64)   # now keeps and reads a quantized cache
+
+Importing the package is free of side effects and cheap: every public name below is loaded on
+first access (PEP 562), so `import kvq_ao` neither imports torchao, transformers, inductor or
+any export toolchain nor registers anything with transformers. `quantize_kv_` registers the
+"kvq" attention function when it is called.
 """
 
-from kvq_ao import _torchao  # noqa: F401  (first: imports torchao quietly before transformers does)
-from kvq_ao.api import make_cache, quantize_kv_
-from kvq_ao.cache import QuantizedKVCache
-from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
-from kvq_ao.memory import MemoryReport, estimate
-from kvq_ao.tensor import QuantizedKV
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it
+_PUBLIC = {
+    "quantize_kv_": "kvq_ao.api",
+    "make_cache": "kvq_ao.api",
+    "compile_config": "kvq_ao.api",
+    "KVQuantConfig": "kvq_ao.config",
+    "LayerKV": "kvq_ao.config",
+    "QuantSpec": "kvq_ao.config",
+    "QuantizedKVCache": "kvq_ao.cache",
+    "QuantizedKV": "kvq_ao.tensor",
+    "MemoryReport": "kvq_ao.memory",
+    "estimate": "kvq_ao.memory",
+    "calibrate": "kvq_ao.calibrate",
+    "tune": "kvq_ao.tune.tuner",
+    "evaluate": "kvq_ao.eval",
+    "load_model": "kvq_ao.models",
+    "export_executorch": "kvq_ao.export",
+    "export_onnx": "kvq_ao.export",
+}
 
 __all__ = [
     "KVQuantConfig",
     "LayerKV",
+    "MemoryReport",
     "QuantSpec",
     "QuantizedKV",
     "QuantizedKVCache",
-    "MemoryReport",
+    "calibrate",
+    "compile_config",
     "estimate",
+    "evaluate",
+    "export_executorch",
+    "export_onnx",
+    "load_model",
     "make_cache",
     "quantize_kv_",
+    "tune",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvq_ao' has no attribute {name!r}")
+    # torchao first, quietly: transformers would otherwise import it later with a burst of
+    # CUDA-extension warnings that mean nothing on a CPU machine.
+    importlib.import_module("kvq_ao._torchao")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
+
+if TYPE_CHECKING:  # static analysers and IDEs see the real names
+    from kvq_ao.api import compile_config, make_cache, quantize_kv_
+    from kvq_ao.cache import QuantizedKVCache
+    from kvq_ao.calibrate import calibrate
+    from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+    from kvq_ao.eval import evaluate
+    from kvq_ao.export import export_executorch, export_onnx
+    from kvq_ao.memory import MemoryReport, estimate
+    from kvq_ao.models import load_model
+    from kvq_ao.tensor import QuantizedKV
+    from kvq_ao.tune.tuner import tune

@@ -13,6 +13,7 @@ No model code is patched; `model.kvq_config` records the config.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -38,9 +39,17 @@ DYNAMIC_COMPILE_ERROR = (
 )
 
 
-def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function: quantized cache -> kvq.attention, else plain SDPA."""
+def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """transformers attention function: quantized cache -> kvq.attention, else the float path.
+
+    `softcap` (Gemma-2's attention logit soft-capping) is applied inside the kvq op. Without a
+    quantized cache (e.g. `use_cache=False`) the float path is SDPA, or the model's own eager
+    attention when logits are soft-capped, since SDPA cannot cap them.
+    """
     if not isinstance(key, QuantizedKV):
+        if softcap:
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if torch.compiler.is_compiling() and not torch._dynamo.config.assume_static_by_default:
         raise RuntimeError(DYNAMIC_COMPILE_ERROR)
@@ -52,7 +61,7 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         value.codes, value.scale, value.zero, value.codebook, value.out_val, value.out_idx,
         key.side, value.side, key.side_pos, key.body_end, attention_mask, key.rope_inv_freq,
         key.body_start, float(scaling), float(key.rope_scale), key.bits, key.axis, key.group,
-        value.bits, value.axis, value.group,
+        value.bits, value.axis, value.group, float(softcap or 0.0),
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
@@ -63,8 +72,15 @@ def kvq_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-AttentionInterface.register(ATTN_NAME, kvq_attention_forward)
-AttentionMaskInterface.register(ATTN_NAME, kvq_mask)
+def register_attention() -> None:
+    """Register the "kvq" attention and mask functions with transformers (idempotent).
+
+    Called by `quantize_kv_`, never at import: importing kvq_ao leaves transformers' registries
+    as they were (tested)."""
+    if AttentionInterface._global_mapping.get(ATTN_NAME) is not kvq_attention_forward:
+        AttentionInterface.register(ATTN_NAME, kvq_attention_forward)
+    if AttentionMaskInterface._global_mapping.get(ATTN_NAME) is not kvq_mask:
+        AttentionMaskInterface.register(ATTN_NAME, kvq_mask)
 
 
 def make_cache(model, config: KVQuantConfig | None = None, max_cache_len: int | None = None) -> QuantizedKVCache:
@@ -100,6 +116,7 @@ def quantize_kv_(model, config: KVQuantConfig):
     if not isinstance(config, KVQuantConfig):
         raise TypeError(f"config must be a KVQuantConfig, got {type(config).__name__}")
     check_model(model, config)
+    register_attention()
     enable_inductor_fusion()
     model.kvq_config = config
     if getattr(model, "_kvq_previous_attn", None) is None:
@@ -148,3 +165,6 @@ def compile_config(fullgraph: bool = True, mode: str = "default"):
     cc = CompileConfig(fullgraph=fullgraph, mode=mode)
     cc._compile_all_devices = True
     return cc
+
+
+__all__ = ["compile_config", "make_cache", "quantize_kv_", "register_attention", "kvq_attention_forward", "kvq_mask", "ATTN_NAME"]

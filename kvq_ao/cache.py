@@ -373,8 +373,32 @@ class QuantizedLayer(CacheLayerMixin):
         else:
             self.cumulative_length = 0
 
+    def _batch_tensors(self) -> list[tuple[object, str]]:
+        """(owner, attribute) of every tensor with a batch axis: both bodies and the side store.
+
+        Positions (`side_pos`, `body_end`, the length) are shared by the whole batch: every row
+        of a batch has the same length, so beams reorder their contents, never their layout."""
+        owners = [(body, name) for body in (self.k_body, self.v_body) for name in ("codes", "scale", "zero", "out_val", "out_idx")]
+        return [(o, n) for o, n in [*owners, (self, "side_k"), (self, "side_v")] if getattr(o, n).dim() > 0 and getattr(o, n).numel()]
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported by the kvq_ao cache")
+        """Beam search: row i of the batch becomes row beam_idx[i] (in place, so a static
+        layer's buffers keep their addresses)."""
+        if not self.is_initialized:
+            return
+        for owner, name in self._batch_tensors():
+            t = getattr(owner, name)
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            for owner, name in self._batch_tensors():
+                setattr(owner, name, getattr(owner, name).repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            for owner, name in self._batch_tensors():
+                setattr(owner, name, getattr(owner, name)[indices, ...])
 
     # ------------------------------------------------------------------ memory
     def tensor_bytes(self) -> int:
@@ -454,3 +478,6 @@ class QuantizedKVCache(Cache):
         from kvq_ao.memory import memory_report
 
         return memory_report(self)
+
+
+__all__ = ["QuantizedKVCache", "QuantizedLayer", "QuantizedStaticLayer", "TensorCalibration"]

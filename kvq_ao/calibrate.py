@@ -422,3 +422,6 @@ def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.
     calib.check_model(*dims)
     calib.check(config, dims[0])
     return calib
+
+
+__all__ = ["Activations", "Calibration", "calibrate", "collect", "default_path", "for_model", "model_key"]

@@ -405,3 +405,6 @@ PRESETS: dict[str, KVQuantConfig] = {
     **{f"kvquant-{b}": _kvquant(b, 0.0) for b in (4, 3, 2)},
     **{f"kvquant-{b}-1pct": _kvquant(b, 0.01) for b in (4, 3, 2)},
 }
+
+
+__all__ = ["KVQuantConfig", "LayerKV", "QuantSpec", "AXES", "DATATYPES", "OUTLIER_RULES", "SCALE_DTYPES"]

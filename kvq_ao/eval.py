@@ -172,3 +172,6 @@ CHAT_PROMPTS = [
     "Give three tips for learning a new programming language.",
     "What is the difference between a list and a tuple in Python?",
 ]
+
+
+__all__ = ["EvalResult", "evaluate", "generation_agreement", "greedy", "ratio_interval", "CHAT_PROMPTS"]

@@ -98,3 +98,6 @@ def memory_report(cache) -> MemoryReport:
     return estimate(
         cache.config, len(cache.layers), batch_heads, head_dim, tokens, dtype=first.dtype, capacity=first.capacity
     )
+
+
+__all__ = ["MemoryReport", "estimate", "memory_report"]

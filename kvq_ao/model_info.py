@@ -61,3 +61,6 @@ def rotary_of(model) -> tuple[torch.Tensor, float]:
                                  "changes its frequencies with the sequence length")  # fmt: skip
             return m.inv_freq.detach().float().clone(), float(m.attention_scaling)
     raise ValueError("pre-RoPE keys: the model has no rotary embedding module (inv_freq, attention_scaling)")
+
+
+__all__ = ["check_model", "model_dims", "rotary_of", "text_config", "SUPPORTED_MODEL_TYPES"]

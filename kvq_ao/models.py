@@ -107,3 +107,6 @@ def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.T
     if n == 0:
         raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of {window_len}")
     return ids[: n * window_len].reshape(n, window_len)
+
+
+__all__ = ["cache_dir", "load_model", "pydoc_text", "resolve_model_path", "text_windows", "PACKAGED"]

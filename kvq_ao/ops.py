@@ -144,28 +144,33 @@ def attention(
     v_bits: int,
     v_axis: int,
     v_group: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of q [B, Hq, Tq, D] over one layer's quantized cache; see kernels/composite.py."""
+    """Attention of q [B, Hq, Tq, D] over one layer's quantized cache; see kernels/composite.py.
+
+    softcap > 0 caps the scaled logits as softcap * tanh(s / softcap) (Gemma-2); 0 leaves them."""
     _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
-                     v_group, k_codebook, v_codebook, rope_inv_freq)  # fmt: skip
+                     v_group, k_codebook, v_codebook, rope_inv_freq, softcap)  # fmt: skip
     return composite.attention(
         q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook,
         v_out_val, v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling,
-        rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, target="eager",
+        rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, softcap, target="eager",
     )  # fmt: skip
 
 
 @attention.register_fake
 def _(q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook,
       v_out_val, v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling,
-      rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group):  # fmt: skip
+      rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, softcap=0.0):  # fmt: skip
     _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
-                     v_group, k_codebook, v_codebook, rope_inv_freq)  # fmt: skip
+                     v_group, k_codebook, v_codebook, rope_inv_freq, softcap)  # fmt: skip
     return q.new_empty([*q.shape[:-1], side_v.shape[-1]])
 
 
 def _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
-                     v_group, k_codebook, v_codebook, rope_inv_freq):  # fmt: skip
+                     v_group, k_codebook, v_codebook, rope_inv_freq, softcap):  # fmt: skip
+    if not softcap >= 0.0:  # also rejects NaN
+        raise ValueError(f"kvq.attention: softcap must be >= 0 (0 = no soft-capping), got {softcap}")
     _check_format(k_bits, k_axis, k_group, allow_fp=True)
     _check_format(v_bits, v_axis, v_group, allow_fp=True)
     _check_codebook_shape(k_codebook, k_bits)
@@ -243,3 +248,6 @@ def _attention_for_inductor(*args):
     """The composite attention in its inductor form (buffers for q and the RoPE table, codebook
     levels by selects); same values, measured faster at long contexts."""
     return composite.attention(*args, target="inductor")
+
+
+__all__ = ["attention", "dequantize", "enable_inductor_fusion", "quantize"]

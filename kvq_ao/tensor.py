@@ -138,3 +138,6 @@ def _copy(func, types, args, kwargs):
 
 
 torch.serialization.add_safe_globals([QuantizedKV])
+
+
+__all__ = ["QuantizedKV"]

@@ -142,3 +142,37 @@ def test_kivi2_memory_at_4096_tokens_on_smollm2_shape_by_hand():
     side = 2 * heads * (128 + 32) * d * 4 + (128 + 32) * 8 + 8  # fp32 window + int64 positions + body_end
     assert rep.bytes == 30 * (codes + key_meta + value_meta + side)
     print(f"kivi-2 at 4096 tokens on SmolLM2: {rep}")
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_reorder_cache_moves_body_side_store_and_outliers_together(tiny_model, static):
+    """Beam search's reorder: every row's logical keys/values (body codes, scales, outliers and
+    the full-precision side store) must follow beam_idx, read back through dequantize()."""
+    quantize_kv_(tiny_model, dataclasses.replace(KVQuantConfig.preset("kivi-2"), residual_length=8, sink_tokens=1))
+    cache = make_cache(tiny_model, max_cache_len=96) if static else make_cache(tiny_model)
+    ids = torch.randint(0, 128, (3, 80), generator=torch.Generator().manual_seed(0))
+    _run(tiny_model, ids, cache, 16)
+    before = [tuple(t.dequantize() for t in layer.keys_values()) for layer in cache.layers]
+    assert all(int(layer.body_end) > 0 for layer in cache.layers)  # codes are really read
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    for layer, (k, v) in zip(cache.layers, before):
+        k2, v2 = (t.dequantize() for t in layer.keys_values())
+        assert torch.equal(k2, k[beam_idx]) and torch.equal(v2, v[beam_idx])
+    # and the reordered cache keeps working: the next token's logits equal a cache built from reordered rows
+    fresh = make_cache(tiny_model, max_cache_len=96) if static else make_cache(tiny_model)
+    _run(tiny_model, ids[beam_idx], fresh, 16)
+    nxt = torch.randint(0, 128, (3, 1), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_run(tiny_model, nxt, cache, 1), _run(tiny_model, nxt, fresh, 1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_beams", [2, 4])
+def test_beam_search_with_the_window_holding_everything_equals_the_fp_cache(tiny_model, num_beams):
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, num_beams=num_beams,
+              num_return_sequences=num_beams)  # fmt: skip
+    with torch.no_grad():
+        fp = tiny_model.generate(ids, **kw)
+        quantize_kv_(tiny_model, KVQuantConfig.preset("kivi-4"))  # 30 tokens < its 128-token window: nothing quantized
+        quantized = tiny_model.generate(ids, **kw)
+    assert torch.equal(quantized, fp)

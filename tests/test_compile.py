@@ -10,7 +10,7 @@ from conftest import kvquant_config, tiny_llama
 from kvq_ao import KVQuantConfig, quantize_kv_
 from kvq_ao.api import compile_config
 from kvq_ao.ops import enable_inductor_fusion
-from test_ops import _case, _reference
+from attention_cases import attention_case, reference_attention
 
 
 @pytest.mark.parametrize("bits, codebook", [((4, 4), False), ((2, 3), False), ((3, 3), True)])
@@ -20,11 +20,11 @@ def test_compiled_decode_attention_is_fused_without_float_kv_buffer(bits, codebo
     enable_inductor_fusion()
     t, d = 512, 64
     extra = dict(codebook=True) if codebook else {}
-    args = _case(0, 1, *bits, t=t, d=d, **extra)
+    args = attention_case(0, 1, *bits, t=t, d=d, **extra)
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)
     out, codes = run_and_get_code(compiled, *args)
-    torch.testing.assert_close(out.double(), _reference(args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference_attention(args), rtol=1e-5, atol=1e-5)
     code = "\n".join(codes)
     buffers = re.findall(r"empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code)
     assert buffers, "no buffers found: the generated-code check would be vacuous"
@@ -40,10 +40,10 @@ def test_compiled_decode_attention_with_kvquant_datatypes_matches_float64(bits, 
     """The inductor form (q, RoPE table and rotated keys in buffers, codebook levels by selects)
     against the float64 reference, at arbitrary side positions and a body that ends mid-cache."""
     enable_inductor_fusion()
-    args = _case(1, 1, bits, bits, t=256, d=64, hq=9, hkv=3, body_end=200, **extra)
+    args = attention_case(1, 1, bits, bits, t=256, d=64, hq=9, hkv=3, body_end=200, **extra)
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)
-    torch.testing.assert_close(compiled(*args).double(), _reference(args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled(*args).double(), reference_attention(args), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-nuq3-1pct-vector"])
@@ -149,7 +149,7 @@ def test_inductor_caches_are_keyed_on_the_traced_sources(monkeypatch):
 
     enable_inductor_fusion()
     assert inductor_config.unsafe_marked_cacheable_functions[ops._CACHE_ENTRY] == ops.implementation_digest()
-    args = _case(1, 1, 4, 4, t=64, d=32)
+    args = attention_case(1, 1, 4, 4, t=64, d=32)
 
     def compile_once() -> tuple[int, int]:
         torch._dynamo.reset()

@@ -112,3 +112,40 @@ def test_cli_calibrate_then_eval_a_kvquant_preset(smollm2, tmp_path):
     result = json.loads(out.stdout)
     assert result["config"] == "kvquant-4-1pct" and result["tokens"] == 1023
     assert 1.0 < result["ppl_ratio"] < 1.03, result
+
+
+def _beams(model, ids, num_beams, max_new_tokens, cache=None):
+    kwargs = {"cache": cache} if cache is not None else {}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             num_beams=num_beams, num_return_sequences=num_beams, early_stopping=True, **kwargs)  # fmt: skip
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("num_beams", [2, 4])
+def test_beam_search_with_kivi4(smollm2, num_beams):
+    """Inside KIVI's 128-token window nothing is quantized, so beams must equal the fp cache's;
+    past it (a ~330-token prompt) the reordered codes are read, and beams must still be sane."""
+    from kvq_ao import quantize_kv_
+    from kvq_ao.cli import _chat_ids
+
+    model, tokenizer = smollm2
+    quantize_kv_(model, KVQuantConfig.preset("kivi-4"))
+    short = torch.tensor([_chat_ids(tokenizer, CHAT_PROMPTS[0])])
+    assert short.shape[1] + 16 < 128
+    fp = _beams(model, short, num_beams, 16, cache=DynamicCache(config=model.config))
+    quantized = _beams(model, short, num_beams, 16)
+    assert torch.equal(quantized, fp), (tokenizer.batch_decode(fp), tokenizer.batch_decode(quantized))
+
+    from pydoc_data.topics import topics
+
+    long = torch.tensor([_chat_ids(tokenizer, topics["assert"].strip() + "\n\nWhat are assert statements for?")])
+    assert long.shape[1] > 128 + 32  # the body (codes) is read and reordered
+    fp = _beams(model, long, num_beams, 24, cache=DynamicCache(config=model.config))
+    quantized = _beams(model, long, num_beams, 24)
+    assert quantized.shape[0] == num_beams
+    same = (quantized[0, : fp.shape[1]] == fp[0, : quantized.shape[1]]).tolist() + [False]
+    prefix = same.index(False)
+    print(f"beam search, {num_beams} beams, {long.shape[1]}-token prompt: best beam equals fp's for {prefix} tokens; "
+          f"fp {tokenizer.decode(fp[0], skip_special_tokens=True)!r} / kivi-4 {tokenizer.decode(quantized[0], skip_special_tokens=True)!r}")
+    assert prefix >= 8  # seen: 12-14 of 24 (the beams then take another wording of the same answer)

@@ -1,0 +1,2 @@
+
+__all__: list[str] = []  # numerics modules: import kvq_ao.quant.<module>

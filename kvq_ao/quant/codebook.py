@@ -102,3 +102,6 @@ def dequantize_codebook(packed: torch.Tensor, scale: torch.Tensor, zero: torch.T
     dim = _reduce_dim(axis)
     x = g * scale.unsqueeze(dim).float() + zero.unsqueeze(dim).float()
     return x.reshape(codes.shape).to(out_dtype)
+
+
+__all__ = ["check_codebook", "dequantize_codebook", "nf_codebook", "normalize", "quantize_codebook", "CODEBOOK_BITS"]

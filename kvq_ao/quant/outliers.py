@@ -96,3 +96,5 @@ def split_vector_outliers(x: torch.Tensor, k: int, group: int):
     dense = torch.minimum(torch.maximum(g, lo), hi).reshape(xf.shape)
     return dense, x.gather(-1, idx), idx.to(torch.uint8), is_outlier
 
+
+__all__ = ["apply_outliers", "outlier_slots", "split_outliers", "split_vector_outliers", "EMPTY_SLOT"]

@@ -94,3 +94,6 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8 and packed.dtype == torch.uint8:
         return packed
     return unpack_float(packed, bits).to(torch.uint8)
+
+
+__all__ = ["pack", "packed_size", "unpack", "unpack_float", "word_layout", "SUPPORTED_BITS"]

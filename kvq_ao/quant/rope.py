@@ -46,3 +46,6 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, s
     """Inverse of `rotate`: the pre-RoPE keys of post-RoPE keys x [..., T, D]."""
     cos, sin = cos_sin(positions, inv_freq)
     return (x * cos - _rotate_half(x) * sin) / scaling
+
+
+__all__ = ["cos_sin", "rotate", "rotate_with", "unrotate"]

@@ -125,3 +125,6 @@ def dequantize_uniform(
     dim = _reduce_dim(axis)
     x = g * scale.unsqueeze(dim).to(torch.float32) + zero.unsqueeze(dim).to(torch.float32)
     return x.reshape(codes.shape).to(out_dtype)
+
+
+__all__ = ["check_shape", "dequantize_uniform", "group_range", "quantize_uniform", "AXIS_CHANNEL", "AXIS_TOKEN"]

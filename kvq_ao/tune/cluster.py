@@ -42,3 +42,6 @@ def group_candidates(groups: list[int], pruned: list[list[Pair]]) -> list[list[P
     for g, pairs in zip(groups, pruned):
         out.setdefault(g, set()).update(pairs)
     return [sorted(out[g], key=lambda p: (p[0] + p[1], p)) for g in sorted(out)]
+
+
+__all__ = ["cluster_layers", "group_candidates"]

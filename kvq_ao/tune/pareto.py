@@ -43,3 +43,6 @@ def prune(errors: Mapping[Pair, float]) -> list[Pair]:
         check_pair(p)
     front = pareto_front([(pair_bits(p), errors[p]) for p in pairs])
     return [pairs[i] for i in front]
+
+
+__all__ = ["check_pair", "pair_bits", "pareto_front", "prune"]

@@ -186,3 +186,6 @@ def profile(model, ids: torch.Tensor, base: KVQuantConfig | None = None, candida
     bar.close()
     return LayerProfile(_model_identity(model), base.to_dict(), [tuple(p) for p in candidates], attn, kl,
                         tokens=int(ids.numel()))  # fmt: skip
+
+
+__all__ = ["LayerProfile", "assignment_config", "base_config", "kl_to", "layer_spec", "profile", "run_with"]

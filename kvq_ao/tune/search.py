@@ -120,3 +120,6 @@ def _nsga2(candidates, group_sizes, measure, budget_ok, trials: int, seed: int, 
         return bits, measure(assignment)
 
     study.optimize(objective, n_trials=trials, show_progress_bar=progress)
+
+
+__all__ = ["SearchResult", "average_bits", "predicted_front", "search"]

@@ -16,7 +16,7 @@ from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, sp
 from kvq_ao.quant.rope import rotate, unrotate
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from test_ops import ORDER, _case
+from attention_cases import ORDER, attention_case
 
 
 # ----------------------------------------------------------------------------- pre-RoPE
@@ -54,7 +54,7 @@ def test_rotate_matches_transformers_rope_and_unrotate_inverts_it(rope):
        body_end=st.integers(0, 64), codebook=st.booleans())  # fmt: skip
 def test_dequantize_then_rotate_inside_the_op_equals_attending_rotated_keys(seed, tq, bits, body_end, codebook):
     """Pre-RoPE codes + rotation in the op == the op on explicitly rotated dequantized keys."""
-    args = list(_case(seed, tq, bits, bits, body_end=body_end, codebook=codebook, pre_rope=True))
+    args = list(attention_case(seed, tq, bits, bits, body_end=body_end, codebook=codebook, pre_rope=True))
     a = dict(zip(ORDER, args))
     g = torch.Generator().manual_seed(seed)
     a["side_pos"] = torch.tensor([0, *torch.randperm(63, generator=g)[:3].add(1).tolist(), -1])  # arbitrary positions
