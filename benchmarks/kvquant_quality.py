@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao import KVQuantConfig
-from kvq_ao.calibrate import calibrate, collect
+from kvq_ao.calibration import calibrate, collect
 from kvq_ao.config import LayerKV
 from kvq_ao.eval import evaluate
 from kvq_ao.models import load_model, pydoc_text, text_windows

@@ -31,7 +31,7 @@ from pathlib import Path
 from kvquant_recipe import DEV_TEXT, TARGETS, dev_row, dev_setup, kept_rows
 
 from kvq_ao import KVQuantConfig
-from kvq_ao.calibrate import calibrate
+from kvq_ao.calibration import calibrate
 
 FP_WINDOWS = (32, 64, 128)
 

@@ -25,8 +25,8 @@ import torch
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.eval import evaluate
 from kvq_ao.models import load_model, pydoc_text, text_windows
-from kvq_ao.tune.pareto import pair_bits
-from kvq_ao.tune.profile import assignment_config, base_config
+from kvq_ao.tuning.pareto import pair_bits
+from kvq_ao.tuning.profile import assignment_config, base_config
 
 
 def run_tune(budget: float, out: Path, profile: Path, threads: int) -> float:

@@ -27,8 +27,8 @@ _PUBLIC = {
     "QuantizedKV": "kvq_ao.tensor",
     "MemoryReport": "kvq_ao.memory",
     "estimate": "kvq_ao.memory",
-    "calibrate": "kvq_ao.calibrate",
-    "tune": "kvq_ao.tune.tuner",
+    "calibrate": "kvq_ao.calibration",
+    "tune": "kvq_ao.tuning.tuner",
     "evaluate": "kvq_ao.eval",
     "load_model": "kvq_ao.models",
     "export_executorch": "kvq_ao.export",
@@ -75,11 +75,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from kvq_ao.api import compile_config, make_cache, quantize_kv_
     from kvq_ao.cache import QuantizedKVCache
-    from kvq_ao.calibrate import calibrate
+    from kvq_ao.calibration import calibrate
     from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
     from kvq_ao.eval import evaluate
     from kvq_ao.export import export_executorch, export_onnx
     from kvq_ao.memory import MemoryReport, estimate
     from kvq_ao.models import load_model
     from kvq_ao.tensor import QuantizedKV
-    from kvq_ao.tune.tuner import tune
+    from kvq_ao.tuning.tuner import tune

@@ -23,7 +23,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvq_ao._torchao import register_quantize_module_handler
 from kvq_ao.cache import QuantizedKVCache
-from kvq_ao.calibrate import for_model
+from kvq_ao.calibration import for_model
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.ops import enable_inductor_fusion

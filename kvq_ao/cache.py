@@ -438,7 +438,7 @@ class QuantizedKVCache(Cache):
         specs = config.resolve(num_layers)
         if config.needs_calibration and calibration is None:
             raise ValueError(f"config {config.name!r} uses calibrated datatypes or outliers: pass calibration= "
-                             "(kvq_ao.calibrate / kvq calibrate), or build the cache with kvq_ao.make_cache(model)")  # fmt: skip
+                             "(kvq_ao.calibration / kvq calibrate), or build the cache with kvq_ao.make_cache(model)")  # fmt: skip
         if config.pre_rope_keys and rope is None:
             raise ValueError(f"config {config.name!r} stores pre-RoPE keys: pass rope=(inv_freq, attention_scaling)")
         if calibration is not None:

@@ -84,7 +84,7 @@ def cmd_calibrate(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvq_ao.calibrate import calibrate, collect, default_path
+    from kvq_ao.calibration import calibrate, collect, default_path
     from kvq_ao.config import KVQuantConfig
     from kvq_ao.models import pydoc_text, text_windows
 
@@ -121,10 +121,10 @@ def cmd_tune(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvq_ao.calibrate import model_key
+    from kvq_ao.calibration import model_key
     from kvq_ao.models import cache_dir, pydoc_text, text_windows
-    from kvq_ao.tune.profile import base_config
-    from kvq_ao.tune.tuner import summary_rows, tune, write_front
+    from kvq_ao.tuning.profile import base_config
+    from kvq_ao.tuning.tuner import summary_rows, tune, write_front
 
     model, tokenizer = _load(args)
     ids = text_windows(tokenizer, pydoc_text("calib"), args.samples, args.seq_len)
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import kvq_ao  # noqa: F401  (imports torchao quietly before transformers would, loudly)
+    import kvq_ao._torchao  # noqa: F401  (imports torchao quietly before transformers would, loudly)
 
     try:
         return args.func(args)

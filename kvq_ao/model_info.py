@@ -10,7 +10,7 @@ import torch
 
 from kvq_ao.config import KVQuantConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma", "gemma2", "gemma3_text")
 
 
 def text_config(model):
@@ -38,6 +38,8 @@ def check_model(model, config: KVQuantConfig) -> None:
             spec.value.check_head_dim(head_dim)
         except ValueError as e:
             raise ValueError(f"config {config.name!r}, layer {i}: {e}") from None
+    if config.pre_rope_keys:
+        rotary_of(model)  # raises when the model's RoPE cannot be undone and redone per position
     layer_types = getattr(cfg, "layer_types", None) or []
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
@@ -60,6 +62,12 @@ def rotary_of(model) -> tuple[torch.Tensor, float]:
                 raise ValueError(f"pre-RoPE keys need a position-independent rotary embedding; {rope_type!r} RoPE "
                                  "changes its frequencies with the sequence length")  # fmt: skip
             return m.inv_freq.detach().float().clone(), float(m.attention_scaling)
+        per_type = sorted(n[: -len("_inv_freq")] for n, _ in m.named_buffers(recurse=False) if n.endswith("_inv_freq")
+                          and not n.endswith("original_inv_freq"))  # fmt: skip
+        if len(per_type) > 1:
+            raise ValueError(f"pre-RoPE keys need one rotary embedding; {type(m).__name__} rotates its layer types "
+                             f"{per_type} with different frequencies (e.g. Gemma-3): use a preset that keeps keys "
+                             "post-RoPE (int8, kivi-*)")  # fmt: skip
     raise ValueError("pre-RoPE keys: the model has no rotary embedding module (inv_freq, attention_scaling)")
 
 

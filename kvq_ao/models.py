@@ -80,7 +80,7 @@ def load_model(name_or_path: str = "smollm2", log=print):
     path = resolve_model_path(name_or_path, log)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    model.kvq_tokenizer = tokenizer  # lets a preset calibrate on first use (kvq_ao.calibrate.for_model)
+    model.kvq_tokenizer = tokenizer  # lets a preset calibrate on first use (kvq_ao.calibration.for_model)
     return model, tokenizer
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-import kvq_ao  # noqa: F401  (registers ops; imports torchao quietly)
+import kvq_ao._torchao  # noqa: F401  (imports torchao quietly, before transformers would)
+import kvq_ao.ops  # noqa: F401  (registers torch.ops.kvq)
 
 
 def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 64, seed: int = 0, vocab_size: int = 128,
@@ -42,7 +43,7 @@ def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pr
     from pathlib import Path
 
     from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
-    from kvq_ao.calibrate import calibrate
+    from kvq_ao.calibration import calibrate
 
     model = model or tiny_llama()
     cfg = KVQuantConfig(
@@ -57,3 +58,21 @@ def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pr
     folder = Path(folder or tempfile.mkdtemp(prefix="kvq-calib-"))
     path = calib.save(folder / f"{cfg.name}.json")
     return dataclasses.replace(cfg, calibration=str(path))
+
+
+def tiny_gemma(version: int = 3, layers: int = 4, seed: int = 0, softcap: float | None = 2.0):
+    """A random Gemma-2 or Gemma-3 with what sets Gemma's attention apart: sliding and global layers
+    (window 16, so short prompts already slide), MQA (1 kv head for 4 query heads), head_dim 256,
+    query_pre_attn_scalar != head_dim, QK-norm (Gemma-3) and attention logit soft-capping (Gemma-2;
+    a cap of 2 bites at the attention logits of weights initialized 5x wider than the default)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=256, max_position_embeddings=512, sliding_window=16,
+                  query_pre_attn_scalar=144, initializer_range=0.1)  # fmt: skip
+    if version == 2:
+        return Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=softcap, final_logit_softcapping=30.0)).eval()
+    if version == 3:
+        return Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window_pattern=2)).eval()
+    raise ValueError(f"Gemma version must be 2 or 3, got {version}")

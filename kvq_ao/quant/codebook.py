@@ -7,7 +7,7 @@ uniform metadata). A code is the index of the nearest codebook level; dequantiza
 zero + scale * codebook[code]. The uniform integer grid is the special case level_i = i / (2^b - 1).
 
 Codebooks are sorted float32 levels in [0, 1]: fixed NormalFloat levels (`nf_codebook`) or
-per-layer levels from Fisher-weighted k-means on calibration data (`kvq_ao.calibrate`).
+per-layer levels from Fisher-weighted k-means on calibration data (`kvq_ao.calibration`).
 Nearest-level search is a sum of comparisons against the midpoints (2^b - 1 of them), which is
 pointwise, so inductor fuses it and ONNX/ExecuTorch need no search op.
 """

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import kvquant_config, tiny_llama
 from kvq_ao import KVQuantConfig, QuantSpec, make_cache, quantize_kv_
-from kvq_ao.calibrate import Calibration, calibrate, for_model, qnorm, weighted_kmeans_1d
+from kvq_ao.calibration import Calibration, calibrate, for_model, qnorm, weighted_kmeans_1d
 from kvq_ao.quant.codebook import dequantize_codebook, nf_codebook, quantize_codebook
 from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import rotate, unrotate
@@ -374,7 +374,7 @@ def test_auto_calibration_is_made_on_first_use_under_no_grad_and_reused(monkeypa
     cfg = dataclasses.replace(kvquant_config(bits=3, outliers=0.02, model=model), calibration="auto", name="tiny-auto")
     quantize_kv_(model, cfg)
     messages = []
-    monkeypatch.setattr("kvq_ao.calibrate.sys.stderr", type("W", (), {"write": lambda self, m: messages.append(m), "flush": lambda self: None})())
+    monkeypatch.setattr("kvq_ao.calibration.sys.stderr", type("W", (), {"write": lambda self, m: messages.append(m), "flush": lambda self: None})())
     with torch.no_grad():  # as in evaluate() and generate()
         make_cache(model)
     written = list(tmp_path.rglob("tiny-auto.json"))

@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvq_ao.tune import CANDIDATES, cluster_layers, pair_bits, pareto_front, prune, search
-from kvq_ao.tune.cluster import group_candidates
+from kvq_ao.tuning import CANDIDATES, cluster_layers, pair_bits, pareto_front, prune, search
+from kvq_ao.tuning.cluster import group_candidates
 
 
 def test_pareto_front_on_hand_made_points():
@@ -68,7 +68,7 @@ def test_search_finds_the_known_optimum_under_a_budget(exhaustive_limit):
     # the optimum at <= 4 average bits, found by brute force over all 729 assignments
     import itertools
 
-    from kvq_ao.tune.search import average_bits
+    from kvq_ao.tuning.search import average_bits
 
     feasible = [a for a in itertools.product(CANDIDATES, repeat=3) if average_bits(a, sizes) <= 4.0]
     optimum = min(_synthetic_loss(a) for a in feasible)
@@ -83,8 +83,8 @@ def test_predicted_front_is_the_exact_front_of_an_additive_loss():
     import itertools
     import random
 
-    from kvq_ao.tune.pareto import pareto_front
-    from kvq_ao.tune.search import average_bits, predicted_front
+    from kvq_ao.tuning.pareto import pareto_front
+    from kvq_ao.tuning.search import average_bits, predicted_front
 
     rng = random.Random(0)
     sizes = [3, 1, 4, 2]
@@ -129,8 +129,8 @@ def test_tune_a_tiny_model_end_to_end_and_reuse_the_profile(tmp_path):
 
     from conftest import tiny_llama
     from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
-    from kvq_ao.tune.profile import LayerProfile, base_config
-    from kvq_ao.tune.tuner import tune, write_front
+    from kvq_ao.tuning.profile import LayerProfile, base_config
+    from kvq_ao.tuning.tuner import tune, write_front
 
     model = tiny_llama()
     ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(0))
@@ -170,8 +170,8 @@ def test_tune_over_kvquant_datatypes_nf_levels_and_pre_rope_keys(tmp_path):
     from conftest import tiny_llama
     from kvq_ao import make_cache, quantize_kv_
     from kvq_ao.config import LayerKV, QuantSpec
-    from kvq_ao.tune.profile import base_config, layer_spec
-    from kvq_ao.tune.tuner import tune
+    from kvq_ao.tuning.profile import base_config, layer_spec
+    from kvq_ao.tuning.tuner import tune
 
     base = base_config(residual_length=8, group_size=16, dtype="nf", pre_rope_keys=True)
     spec = layer_spec((2, 8), base)

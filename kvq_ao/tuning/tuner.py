@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.tune.cluster import cluster_layers, group_candidates
-from kvq_ao.tune.pareto import CANDIDATES, Pair, pair_bits, prune
-from kvq_ao.tune.profile import LayerProfile, assignment_config, base_config, kl_to, profile, run_with
-from kvq_ao.tune.search import SearchResult, predicted_front, search
+from kvq_ao.tuning.cluster import cluster_layers, group_candidates
+from kvq_ao.tuning.pareto import CANDIDATES, Pair, pair_bits, prune
+from kvq_ao.tuning.profile import LayerProfile, assignment_config, base_config, kl_to, profile, run_with
+from kvq_ao.tuning.search import SearchResult, predicted_front, search
 
 
 @dataclass

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvq_ao.tune.pareto import Pair, pair_bits, pareto_front
+from kvq_ao.tuning.pareto import Pair, pair_bits, pareto_front
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvq_ao.tune.pareto import Pair
+from kvq_ao.tuning.pareto import Pair
 
 
 def cluster_layers(profiles: np.ndarray, n_groups: int) -> list[int]:

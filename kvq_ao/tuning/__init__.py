@@ -4,8 +4,8 @@ set, cluster layers with similar sensitivity, and search the reduced space (`sea
 Layer profiling on a real model and the `kvq tune` command build on these pieces.
 """
 
-from kvq_ao.tune.cluster import cluster_layers
-from kvq_ao.tune.pareto import CANDIDATES, pair_bits, pareto_front, prune
-from kvq_ao.tune.search import SearchResult, search
+from kvq_ao.tuning.cluster import cluster_layers
+from kvq_ao.tuning.pareto import CANDIDATES, pair_bits, pareto_front, prune
+from kvq_ao.tuning.search import SearchResult, search
 
 __all__ = ["CANDIDATES", "SearchResult", "cluster_layers", "pair_bits", "pareto_front", "prune", "search"]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvq_ao.config import CODEBOOK_BITS, FP, KVQuantConfig, LayerKV, QuantSpec
-from kvq_ao.tune.pareto import CANDIDATES, Pair, check_pair
+from kvq_ao.tuning.pareto import CANDIDATES, Pair, check_pair
 
 PROFILE_VERSION = 1
 
@@ -101,7 +101,7 @@ class LayerProfile:
         return cls(d["model"], d["base"], cands, attn, kl, d["tokens"], d.get("meta", {}))
 
     def check_model(self, model) -> None:
-        from kvq_ao.calibrate import model_key
+        from kvq_ao.calibration import model_key
 
         want = _model_identity(model)
         if self.model != want:
@@ -112,7 +112,7 @@ class LayerProfile:
 
 def _model_identity(model) -> dict:
     from kvq_ao.model_info import model_dims
-    from kvq_ao.calibrate import model_key
+    from kvq_ao.calibration import model_key
 
     layers, heads, head_dim = model_dims(model)
     return {"name": model_key(model), "num_layers": layers, "kv_heads": heads, "head_dim": head_dim}
@@ -120,7 +120,7 @@ def _model_identity(model) -> dict:
 
 def _attention_outputs(model, capture: dict[int, list[torch.Tensor]]):
     """Hooks appending each layer's attention output (the o_proj input) to `capture[layer]`."""
-    from kvq_ao.calibrate import _attention_modules
+    from kvq_ao.calibration import _attention_modules
 
     def hook(i):
         return lambda _m, args: capture.setdefault(i, []).append(args[0].detach().float())
