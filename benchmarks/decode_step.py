@@ -31,7 +31,6 @@ import argparse
 import ctypes
 import gc
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ from datetime import date
 from pathlib import Path
 
 import torch
+
+from common import machine, save_json, smollm2, stamp
 
 VARIANTS = ("eager-fp", "quanto-4", "compiled-fp", "eager-kvq", "compiled-kvq", "executorch", "onnx")
 
@@ -100,9 +101,9 @@ def prepare_artifact(variant: str, n: int, preset: str, steps: int, out_dir: Pat
     from kvq_ao import KVQuantConfig, quantize_kv_
     from kvq_ao.export import export_executorch, export_onnx
     from kvq_ao.export.decoder import DecodeStep
-    from kvq_ao.models import load_model, pydoc_text
+    from kvq_ao.models import pydoc_text
 
-    model, tok = load_model("smollm2")
+    model, tok = smollm2(torch.get_num_threads())
     cfg = KVQuantConfig.preset(preset)
     quantize_kv_(model, cfg)
     capacity = static_capacity(n, steps)
@@ -124,7 +125,7 @@ def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
-    from kvq_ao.models import load_model, pydoc_text
+    from kvq_ao.models import pydoc_text
 
     cfg = KVQuantConfig.preset(preset)
     name = {"eager-fp": "eager-fp", "quanto-4": "transformers-quanto-4", "compiled-fp": "compiled-fp-static"}.get(
@@ -133,7 +134,7 @@ def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path
     token = torch.tensor([[42]])
     capacity = static_capacity(n, steps)
     if variant not in ("executorch", "onnx"):  # the runtimes' processes hold no torch model
-        model, tok = load_model("smollm2")
+        model, tok = smollm2(torch.get_num_threads())
         model.set_attn_implementation("sdpa")
         ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids[:, :n]
 
@@ -231,10 +232,9 @@ def main() -> None:
         for variant in [v for v in VARIANTS if v not in skip]:
             rows.append(_run_in_child(variant, n, args))
             print(json.dumps(rows[-1]), flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # saved after every row: a stopped run keeps its rows
-            Path(args.out).write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=rows), indent=2) + "\n")
+            save_json(args.out, stamp(threads=args.threads, rows=rows))  # after every row: a stopped run keeps its rows
     base = {r["cached_tokens"]: r["ms_per_token"] for r in rows if r.get("variant") == "eager-fp" and "ms_per_token" in r}
-    print(f"\nSmolLM2-135M decode step, batch 1, {args.threads} threads, {platform.processor() or platform.machine()}, {date.today()}")
+    print(f"\nSmolLM2-135M decode step, batch 1, {args.threads} threads, {machine()}, {date.today()}")
     print(f"{'variant':28} {'tokens':>7} {'ms/token':>9} {'vs eager fp':>11} {'KV MiB':>8} {'peak RSS MiB':>12} {'step MiB':>9}")
     for r in rows:
         if "ms_per_token" not in r:

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-import kvq_ao  # noqa: F401
 from kvq_ao import KVQuantConfig
-from kvq_ao.cli import _chat_ids
 from kvq_ao.export import EXECUTORCH_BACKENDS, export_executorch, export_onnx
 from kvq_ao.export.decoder import DecodeStep, greedy_generate
 from kvq_ao.export.executorch import ExecuTorchRunner
 from kvq_ao.export.onnx import OnnxRunner
-from kvq_ao.models import load_model
+from kvq_ao.eval import chat_ids
+
+from common import save_json, smollm2, stamp
 
 PROMPT = "Explain in two sentences why the sky is blue."
 CODE_TENSORS = ("k_codes", "v_codes")
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--runtimes", default="executorch,onnx", help="comma list; empty for none")
     parser.add_argument("--backend", default=EXECUTORCH_BACKENDS[0], choices=EXECUTORCH_BACKENDS, help="ExecuTorch backend")
     parser.add_argument("--noise-floor", action="store_true", help="add the eager-vs-eager float64-linears row")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -98,8 +99,8 @@ def main() -> None:
             residual = cfg.residual_length if args.residual is None else args.residual
             sink = cfg.sink_tokens if args.sink is None else args.sink
             cfg = dataclasses.replace(cfg, residual_length=residual, sink_tokens=sink, name=f"{preset}-r{residual}-s{sink}")
-        model, tok = load_model("smollm2")
-        ids = _chat_ids(tok, PROMPT)[:32]
+        model, tok = smollm2(args.threads)
+        ids = chat_ids(tok, PROMPT)[:32]
         for runtime in [r for r in args.runtimes.split(",") if r]:
             path = out_dir / f"smollm2-{preset}.{'pte' if runtime == 'executorch' else 'onnx'}"
             t0 = time.perf_counter()
@@ -138,10 +139,11 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = Path("results/export_smollm2.json")
-    out.parent.mkdir(exist_ok=True)
     previous = json.loads(out.read_text()) if out.exists() else []
     keep = [r for r in previous if (r["preset"], r["runtime"]) not in {(x["preset"], x["runtime"]) for x in rows}]
-    out.write_text(json.dumps(keep + rows, indent=2) + "\n")
+    for row in rows:
+        row.update(stamp(threads=args.threads))
+    save_json(out, keep + rows)
 
 
 if __name__ == "__main__":

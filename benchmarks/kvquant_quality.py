@@ -19,16 +19,16 @@ import argparse
 import dataclasses
 import json
 import time
-from datetime import date
 from pathlib import Path
 
-import torch
 
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibration import calibrate, collect
 from kvq_ao.config import LayerKV
 from kvq_ao.eval import evaluate
-from kvq_ao.models import load_model, pydoc_text, text_windows
+from kvq_ao.models import pydoc_text, text_windows
+
+from common import eval_windows, save_json, smollm2, stamp
 
 PRESETS = ["kivi-4", "kivi-3", "kivi-2", "kvquant-4", "kvquant-4-1pct", "kvquant-3", "kvquant-3-1pct", "kvquant-2", "kvquant-2-1pct"]
 
@@ -75,9 +75,8 @@ def main() -> None:
     parser.add_argument("--sink", type=int, default=None, help="evaluate the presets with S sink tokens instead of theirs (calibrated for it)")
     parser.add_argument("--out", default="results/kvquant.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2")
-    windows = text_windows(tok, pydoc_text("eval"), args.windows, args.window_len)
+    model, tok = smollm2(args.threads)
+    windows = eval_windows(tok, args.windows, args.window_len)
     ablation_windows = windows[: args.ablation_windows]
     calib_ids = text_windows(tok, pydoc_text("calib"), 16, 512)
     out = Path(args.out)
@@ -91,8 +90,7 @@ def main() -> None:
         # merged into the results file as it goes: separate invocations fill one table
         keep = [x for x in saved if (x["table"], x["label"]) != (table, label)]
         saved[:] = keep + [row]
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(dict(date=str(date.today()), threads=args.threads, rows=saved), indent=2) + "\n")
+        save_json(out, stamp(threads=args.threads, rows=saved))
 
     acts = {}  # calibration activations per pre_rope_keys setting: one pass over the model serves every fit
 

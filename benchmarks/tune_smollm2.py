@@ -17,16 +17,19 @@ import json
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.eval import evaluate
-from kvq_ao.models import load_model, pydoc_text, text_windows
 from kvq_ao.tuning.pareto import pair_bits
 from kvq_ao.tuning.profile import assignment_config, base_config
+from kvq_ao.tuning.tuner import SHIPPED_PROFILES
+
+from common import eval_windows, save_json, smollm2, stamp
+
+SHIPPED_PROFILE = SHIPPED_PROFILES / "SmolLM2-135M-Instruct.Q4_1-98362432-L30-H3-D64-r128-g32-2x512.json"
 
 
 def run_tune(budget: float, out: Path, profile: Path, threads: int) -> float:
@@ -44,8 +47,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="4.0,3.0,2.5")
     parser.add_argument("--uniform", default="2-2,2-4,4-2,4-4,8-4,4-8", help="uniform (key-value) pairs to evaluate beside")
     parser.add_argument("--out-dir", default="results/tune")
-    parser.add_argument("--profile", default="results/tune/profile-smollm2.json")
-    parser.add_argument("--fresh-profile", action="store_true", help="delete --profile first (time profiling too)")
+    parser.add_argument("--profile", default=str(SHIPPED_PROFILE),
+                        help="layer profile; default: the one kvq_ao ships for SmolLM2 (kvq demo seeds its tuning from it)")
+    parser.add_argument("--fresh-profile", action="store_true", help="delete --profile first (time profiling too, and re-make it)")
     parser.add_argument("--skip-tune", action="store_true", help="evaluate the configs already in --out-dir")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window-len", type=int, default=1025)
@@ -59,8 +63,7 @@ def main() -> None:
     saved = json.loads(result_path.read_text()) if result_path.exists() else {"timings": [], "rows": []}
 
     def save() -> None:
-        saved["date"] = str(date.today())
-        result_path.write_text(json.dumps(saved, indent=2) + "\n")
+        save_json(result_path, {**saved, **stamp(threads=args.threads)})
 
     if not args.skip_tune:
         if args.fresh_profile and profile.exists():
@@ -73,8 +76,8 @@ def main() -> None:
             print(f"kvq tune --max-avg-bits {budget}: {seconds:.0f} s ({'profile reused' if cached else 'profiling included'})")
             save()
 
-    model, tok = load_model("smollm2")
-    windows = text_windows(tok, pydoc_text("eval"), args.windows, args.window_len)
+    model, tok = smollm2(args.threads)
+    windows = eval_windows(tok, args.windows, args.window_len)
     n_layers = model.config.num_hidden_layers
     configs = [(f"tuned {b:g}", KVQuantConfig.load(out_dir / f"tuned-{b:g}bit.json")) for b in budgets]
     for text in args.uniform.split(","):

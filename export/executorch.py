@@ -7,6 +7,11 @@ calls by the runtime. `max_seq_len` is stored as the constant method `get_max_se
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,15 +89,56 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     return ExportedPte(path, _mutable_buffers(lowered), delegates)
 
 
+@contextmanager
+def native_log_to(logger: logging.Logger):
+    """Route what native code writes to the process's stdout/stderr (ExecuTorch's runtime logs
+    lines such as "[cpuinfo_utils.cpp:87] Failed to open midr file ..." while it loads) to
+    `logger` at INFO, one record per line. If the block raises, the lines go to stderr as they
+    were, since they then explain the error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    failed = False
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            if failed:
+                sys.stderr.write(text)
+            else:
+                for line in filter(str.strip, text.splitlines()):
+                    logger.info(line)
+
+
+LOG = logging.getLogger("kvq_ao.executorch")
+
+
 class ExecuTorchRunner:
-    """Greedy generation with an exported `.pte` in the ExecuTorch python runtime."""
+    """Greedy generation with an exported `.pte` in the ExecuTorch python runtime.
+
+    The runtime's own log lines while loading go to the `kvq_ao.executorch` logger (INFO), not
+    the terminal: `logging.basicConfig(level=logging.INFO)` or `kvq talk --verbose` shows them."""
 
     def __init__(self, path: str | Path):
         from executorch.runtime import Runtime
 
-        self.program = Runtime.get().load_program(Path(path))
-        self.method = self.program.load_method("forward")
-        self.max_seq_len = int(self.program.load_method("get_max_seq_len").execute([])[0])
+        with native_log_to(LOG):
+            self.program = Runtime.get().load_program(Path(path))
+            self.method = self.program.load_method("forward")
+            self.max_seq_len = int(self.program.load_method("get_max_seq_len").execute([])[0])
 
     def step(self, token: int, position: int) -> torch.Tensor:
         if position >= self.max_seq_len:
@@ -105,4 +151,4 @@ class ExecuTorchRunner:
         return greedy_generate(self.step, prompt_ids, max_new_tokens, self.max_seq_len)
 
 
-__all__ = ["ExecuTorchRunner", "ExportedPte", "export_executorch"]
+__all__ = ["ExecuTorchRunner", "ExportedPte", "export_executorch", "native_log_to"]

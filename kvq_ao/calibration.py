@@ -401,6 +401,31 @@ def default_path(model, config: KVQuantConfig) -> Path:
     return cache_dir() / "calibration" / model_key(model) / f"{config.name}.json"
 
 
+def _cached(model, config: KVQuantConfig, n_layers: int) -> bool:
+    path = default_path(model, config)
+    return path.exists() and Calibration.load(path).made_for(config, n_layers)
+
+
+def calibrate_missing(model, configs: list[KVQuantConfig], log=lambda msg: print(msg, file=sys.stderr)) -> list[str]:
+    """Make the user-cache calibration of every config that uses it ("auto") and lacks one.
+
+    What `for_model` would do on first use, but with one activation pass (the slow part: a
+    forward and a backward per sample) shared by all configs of the same key layout. Returns the
+    names calibrated."""
+    n_layers = model_dims(model)[0]
+    missing = [c for c in configs if c.needs_calibration and c.calibration in (None, "auto") and not _cached(model, c, n_layers)]
+    tokenizer = getattr(model, "kvq_tokenizer", None)
+    if missing and tokenizer is None:
+        raise ValueError("calibrate_missing: the model has no kvq_tokenizer (load it with kvq_ao.load_model)")
+    for pre_rope in sorted({c.pre_rope_keys for c in missing}):
+        group = [c for c in missing if c.pre_rope_keys == pre_rope]
+        log(f"kvq_ao: calibrating {', '.join(c.name for c in group)} on pydoc calibration text (once; saved to the user cache)")
+        activations = collect(model, text_windows(tokenizer, pydoc_text("calib"), 16, 512), pre_rope)
+        for config in group:
+            calibrate(model, None, config, activations=activations).save(default_path(model, config))
+    return [c.name for c in missing]
+
+
 def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.stderr)) -> Calibration:
     """The calibration `config` names ("auto": the user cache, made on first use), checked against the model."""
     dims = model_dims(model)
@@ -424,4 +449,4 @@ def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.
     return calib
 
 
-__all__ = ["Activations", "Calibration", "calibrate", "collect", "default_path", "for_model", "model_key"]
+__all__ = ["Activations", "Calibration", "calibrate", "calibrate_missing", "collect", "default_path", "for_model", "model_key"]

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvq_ao.demo import DEFAULT_BUDGET, DEFAULT_CONFIGS
 from kvq_ao.export import EXECUTORCH_BACKENDS
 
 
@@ -66,7 +67,7 @@ def _eval_text(args) -> str:
 
 
 def cmd_eval(args) -> int:
-    from kvq_ao.eval import evaluate
+    from kvq_ao.eval import evaluate, print_results
     from kvq_ao.models import text_windows
 
     config = _config(args)
@@ -76,7 +77,7 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
-        _print_results([result])
+        print_results([result])
     return 0
 
 
@@ -121,17 +122,14 @@ def cmd_tune(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvq_ao.calibration import model_key
-    from kvq_ao.models import cache_dir, pydoc_text, text_windows
+    from kvq_ao.models import pydoc_text, text_windows
     from kvq_ao.tuning.profile import base_config
-    from kvq_ao.tuning.tuner import summary_rows, tune, write_front
+    from kvq_ao.tuning.tuner import default_profile_path, summary_rows, tune, write_front
 
     model, tokenizer = _load(args)
     ids = text_windows(tokenizer, pydoc_text("calib"), args.samples, args.seq_len)
     base = base_config(residual_length=args.residual, group_size=args.group, dtype=args.dtype, pre_rope_keys=args.pre_rope)
-    variant = ("" if args.dtype == "int" else f"-{args.dtype}") + ("-prerope" if args.pre_rope else "")
-    profile_path = Path(args.profile) if args.profile else (
-        cache_dir() / "tune" / f"{model_key(model)}-r{args.residual}-g{args.group}{variant}-{ids.shape[0]}x{ids.shape[1]}.json")
+    profile_path = Path(args.profile) if args.profile else default_profile_path(model, base, ids)
     result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
                   trials=args.trials, log=_log)  # fmt: skip
     out = Path(args.out)
@@ -196,11 +194,6 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def _chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
-
-
 def _runner(path: Path):
     if path.suffix == ".pte":
         from kvq_ao.export.executorch import ExecuTorchRunner
@@ -214,8 +207,10 @@ def _runner(path: Path):
 
 
 def _talk(path: Path, tokenizer, prompt: str, max_new_tokens: int) -> None:
+    from kvq_ao.eval import chat_ids
+
     runner = _runner(path)
-    new, _ = runner.generate(_chat_ids(tokenizer, prompt), max_new_tokens)
+    new, _ = runner.generate(chat_ids(tokenizer, prompt), max_new_tokens)
     print(f"[{path.name}] {tokenizer.decode(new, skip_special_tokens=True).strip()}")
 
 
@@ -239,8 +234,12 @@ def cmd_export(args) -> int:
 
 
 def cmd_talk(args) -> int:
+    import logging
+
     from transformers import AutoTokenizer
 
+    if args.verbose:  # the runtime's own log lines (ExecuTorch writes them while loading)
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     from kvq_ao.models import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model, log=_log))
@@ -248,55 +247,18 @@ def cmd_talk(args) -> int:
     return 0
 
 
-def _print_results(results) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="KV cache quality (through the quantized cache) and memory")
-    for col in ("config", "PPL", "PPL fp", "ΔPPL %", "KL", "top-1 agree", "bits/elem", "bits@4096", "KV B/token",
-                "clamped K/V %", "tokens"):  # fmt: skip
-        table.add_column(col, justify="right")
-    for r in results:
-        table.add_row(r.config, f"{r.ppl:.3f}", f"{r.ppl_fp:.3f}", f"{100 * (r.ppl_ratio - 1):+.2f}", f"{r.kl:.4f}",
-                      f"{r.token_agreement:.3f}", f"{r.avg_bits:.2f}", f"{r.avg_bits_at_4096:.2f}",
-                      f"{r.kv_bytes_per_token:.0f}", f"{100 * r.clamped_key_outliers:.2f}/{100 * r.clamped_value_outliers:.2f}",
-                      str(r.tokens))  # fmt: skip
-    Console(width=max(Console().width, 140)).print(table)
-
-
 def cmd_demo(args) -> int:
-    import torch
+    from kvq_ao import demo
 
-    from kvq_ao.api import quantize_kv_
-    from kvq_ao.config import KVQuantConfig
-    from kvq_ao.eval import evaluate, greedy
-    from kvq_ao.models import text_windows
+    if args.threads:
+        import torch
 
-    model, tokenizer = _load(args)
-    windows = text_windows(tokenizer, _eval_text(args), args.windows, args.window_len)
-    presets = args.presets.split(",")
-    _log(f"evaluating {len(presets)} configs on {windows.numel()} tokens of {'your text' if args.text_file else 'pydoc_data'} text")
-    results = [evaluate(model, windows, KVQuantConfig.preset(p), chunk=args.chunk) for p in presets]
-    _print_results(results)
-    prompt = args.prompt or _demo_prompt()
-    print(f"\nGreedy answers to: {prompt[-300:]!r} (last 300 characters of {len(prompt)})")
-    for p in presets:
-        quantize_kv_(model, KVQuantConfig.preset(p))
-        with torch.no_grad():
-            out = greedy(model, tokenizer, prompt, args.max_new_tokens)
-        print(f"[{p}] {tokenizer.decode(out, skip_special_tokens=True).strip()}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
-        _log(f"wrote {args.json_out}")
+        torch.set_num_threads(args.threads)
+    text = _eval_text(args) if args.text_file else None
+    budget = None if args.budget <= 0 else args.budget
+    demo.run(args.model, tuple(args.presets.split(",")), budget, args.windows, args.window_len, args.chunk, text,
+             args.prompt, args.max_new_tokens, args.json_out)  # fmt: skip
     return 0
-
-
-def _demo_prompt() -> str:
-    """A passage long enough that KIVI's 128-token fp window does not cover it, then a question:
-    the answer has to come through the quantized part of the cache."""
-    from pydoc_data.topics import topics
-
-    return topics["assert"].strip() + "\n\nIn two sentences, what does the text above say assert statements are for?"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="where the tokenizer comes from")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--verbose", action="store_true", help="also print the runtime's own log lines")
     p.set_defaults(func=cmd_talk)
 
     p = sub.add_parser("presets", help="list presets and their memory")
@@ -375,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end-to-end demo: quality, memory and answers for several presets")
     _add_model_args(p)
     text_args(p, 4, 1024)
-    p.add_argument("--presets", default="fp,int8,kivi-4,kivi-3,kivi-2,int4-token")
+    p.add_argument("--presets", default=",".join(DEFAULT_CONFIGS), help="presets evaluated beside the tuned config")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help="KVTuner budget (average bits) of the tuned config; 0 leaves it out")
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json-out", default=None, help="also write the results as JSON")

@@ -126,11 +126,16 @@ def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 6
 
 
 @torch.no_grad()
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of `prompt` as one user turn of the tokenizer's chat template, ready to answer."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
 def greedy(model, tokenizer, prompt: str, max_new_tokens: int, cache=None, chat: bool = True) -> torch.Tensor:
     """Greedy continuation ids of `prompt` (chat template applied when the tokenizer has one)."""
     if chat and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
-        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        ids = torch.tensor([chat_ids(tokenizer, prompt)])
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
     kwargs = {"cache": cache} if cache is not None else {}
@@ -174,4 +179,21 @@ CHAT_PROMPTS = [
 ]
 
 
-__all__ = ["EvalResult", "evaluate", "generation_agreement", "greedy", "ratio_interval", "CHAT_PROMPTS"]
+def print_results(results: list[EvalResult]) -> None:
+    """One rich table of quality and memory, a row per result."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="KV cache quality (through the quantized cache) and memory")
+    for col in ("config", "PPL", "PPL fp", "ΔPPL %", "KL", "top-1 agree", "bits/elem", "bits@4096", "KV B/token",
+                "clamped K/V %", "tokens"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r.config, f"{r.ppl:.3f}", f"{r.ppl_fp:.3f}", f"{100 * (r.ppl_ratio - 1):+.2f}", f"{r.kl:.4f}",
+                      f"{r.token_agreement:.3f}", f"{r.avg_bits:.2f}", f"{r.avg_bits_at_4096:.2f}",
+                      f"{r.kv_bytes_per_token:.0f}", f"{100 * r.clamped_key_outliers:.2f}/{100 * r.clamped_value_outliers:.2f}",
+                      str(r.tokens))  # fmt: skip
+    Console(width=max(Console().width, 140)).print(table)
+
+
+__all__ = ["EvalResult", "chat_ids", "evaluate", "generation_agreement", "greedy", "print_results", "ratio_interval", "CHAT_PROMPTS"]

@@ -127,11 +127,11 @@ def test_beam_search_with_kivi4(smollm2, num_beams):
     """Inside KIVI's 128-token window nothing is quantized, so beams must equal the fp cache's;
     past it (a ~330-token prompt) the reordered codes are read, and beams must still be sane."""
     from kvq_ao import quantize_kv_
-    from kvq_ao.cli import _chat_ids
+    from kvq_ao.eval import chat_ids
 
     model, tokenizer = smollm2
     quantize_kv_(model, KVQuantConfig.preset("kivi-4"))
-    short = torch.tensor([_chat_ids(tokenizer, CHAT_PROMPTS[0])])
+    short = torch.tensor([chat_ids(tokenizer, CHAT_PROMPTS[0])])
     assert short.shape[1] + 16 < 128
     fp = _beams(model, short, num_beams, 16, cache=DynamicCache(config=model.config))
     quantized = _beams(model, short, num_beams, 16)
@@ -139,7 +139,7 @@ def test_beam_search_with_kivi4(smollm2, num_beams):
 
     from pydoc_data.topics import topics
 
-    long = torch.tensor([_chat_ids(tokenizer, topics["assert"].strip() + "\n\nWhat are assert statements for?")])
+    long = torch.tensor([chat_ids(tokenizer, topics["assert"].strip() + "\n\nWhat are assert statements for?")])
     assert long.shape[1] > 128 + 32  # the body (codes) is read and reordered
     fp = _beams(model, long, num_beams, 24, cache=DynamicCache(config=model.config))
     quantized = _beams(model, long, num_beams, 24)

@@ -243,7 +243,8 @@ def test_cli_export_then_talk_generates_what_eager_generates(tmp_path, capsys):
     """`kvq export --prompt` and `kvq talk` on a model folder answer with eager quantized greedy tokens."""
     from transformers import AutoTokenizer
 
-    from kvq_ao.cli import _chat_ids, main
+    from kvq_ao.cli import main
+    from kvq_ao.eval import chat_ids
     from kvq_ao.export.decoder import greedy_generate
     from kvq_ao.models import resolve_model_path
 
@@ -260,9 +261,27 @@ def test_cli_export_then_talk_generates_what_eager_generates(tmp_path, capsys):
     assert main(["talk", str(out), "--model", str(folder), *common]) == 0
     talked = capsys.readouterr().out.strip()
 
-    ids = _chat_ids(tokenizer, prompt)  # the CLI's own prompt formatting
+    ids = chat_ids(tokenizer, prompt)  # the CLI's own prompt formatting
     step = DecodeStep(model, KVQuantConfig.preset("kivi-2"), max_len)
     with torch.no_grad():
         new, _ = greedy_generate(lambda t, p: step(torch.tensor([[t]]), torch.tensor([p]))[0, -1], ids, n_new, max_len)
     expected = f"[{out.name}] {tokenizer.decode(new, skip_special_tokens=True).strip()}"
     assert exported == talked == expected
+
+
+def test_runtime_log_lines_go_to_the_logger_not_the_terminal(exported):
+    """ExecuTorch's runtime writes lines like "[cpuinfo_utils.cpp:87] Failed to open midr file"
+    while loading; `kvq talk` must print only the answer. Fresh processes: the runtime logs once."""
+    import subprocess
+    import sys
+
+    _, pte, _ = exported
+    load = f"from kvq_ao.export.executorch import ExecuTorchRunner; ExecuTorchRunner({str(pte.path)!r})"
+    quiet = subprocess.run([sys.executable, "-W", "ignore", "-c", load], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert ".cpp:" not in quiet.stdout + quiet.stderr
+    routed = subprocess.run([sys.executable, "-W", "ignore", "-c", "import logging; logging.basicConfig(level=logging.INFO); " + load],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    native = [line for line in routed.stderr.splitlines() if ".cpp:" in line]
+    assert native, "the runtime logged nothing on load here: this check needs its log lines to route"
+    assert all(line.startswith("INFO:kvq_ao.executorch:") for line in native), native

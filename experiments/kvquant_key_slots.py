@@ -13,7 +13,7 @@ is within 0.1 point of the best candidate's (0.1 point: how far float rounding a
 preset's development PPL, README); so the preset changes only if more room beats one slot by more
 than that. Writes results/kvquant_key_slots.json and prints a table.
 
-    python benchmarks/kvquant_key_slots.py
+    python experiments/kvquant_key_slots.py
 """
 
 import argparse
@@ -21,7 +21,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from kvquant_recipe import calibrated_dev_row, dev_setup, save_dev_rows
+from dev_text import calibrated_dev_row, dev_setup, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV
 

@@ -19,7 +19,7 @@ reports it) lies wholly within the issue's target (4 bits 0.5%, 3 bits 3%, 2 bit
 windows of that width are not run. If none does, the one with the lowest development PPL. Writes
 results/kvquant_window_margin.json after every row and prints a table.
 
-    python benchmarks/kvquant_window_margin.py [--bits 4,3,2]
+    python experiments/kvquant_window_margin.py [--bits 4,3,2]
 """
 
 import argparse
@@ -28,19 +28,12 @@ import json
 from datetime import date
 from pathlib import Path
 
-from kvquant_recipe import DEV_TEXT, TARGETS, dev_row, dev_setup, kept_rows
+from dev_text import within, DEV_TEXT, TARGETS, dev_row, dev_setup, kept_rows
 
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibration import calibrate
 
 FP_WINDOWS = (32, 64, 128)
-
-
-def within(row: dict, target: float) -> bool:
-    """The whole 95% interval of the PPL ratio lies within the target."""
-    if row["ppl_ratio_ci95"] is None:
-        raise SystemExit("the rule needs a 95% interval, which needs at least 2 windows (--windows)")
-    return row["ppl_ratio_ci95"][1] - 1 <= target
 
 
 def main() -> None:

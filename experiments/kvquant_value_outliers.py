@@ -7,14 +7,14 @@ of `kvquant_recipe.py` (never the evaluation text), each calibrated for itself. 
 the first run: a preset uses "vector" where it lowers development PPL. Writes
 results/kvquant_value_outliers.json and prints a table.
 
-    python benchmarks/kvquant_value_outliers.py [--bits 4,3,2]
+    python experiments/kvquant_value_outliers.py [--bits 4,3,2]
 """
 
 import argparse
 import dataclasses
 from pathlib import Path
 
-from kvquant_recipe import calibrated_dev_row, dev_setup, save_dev_rows
+from dev_text import calibrated_dev_row, dev_setup, save_dev_rows
 
 from kvq_ao import KVQuantConfig
 from kvq_ao.config import LayerKV

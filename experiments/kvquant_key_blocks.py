@@ -18,7 +18,7 @@ Rule, fixed before running and before the window script's 128-token row was know
 blocks are not run. If none does, the block with the lowest development PPL. Writes
 results/kvquant_key_blocks.json after every row and prints a table.
 
-    python benchmarks/kvquant_key_blocks.py
+    python experiments/kvquant_key_blocks.py
 """
 
 import argparse
@@ -27,8 +27,7 @@ import json
 from datetime import date
 from pathlib import Path
 
-from kvquant_recipe import DEV_TEXT, TARGETS, calibrated_dev_row, dev_setup
-from kvquant_window_margin import within
+from dev_text import DEV_TEXT, TARGETS, calibrated_dev_row, dev_setup, within
 
 from kvq_ao import KVQuantConfig, LayerKV
 

@@ -7,14 +7,14 @@ calibration activations. Each row also reports the fraction of key and value ent
 outliers found their vector's slots full and were clamped. A diagnostic: no preset is chosen from
 it. Writes results/kvquant_error_sources.json and prints a table.
 
-    python benchmarks/kvquant_error_sources.py [--bits 4]
+    python experiments/kvquant_error_sources.py [--bits 4]
 """
 
 import argparse
 import dataclasses
 from pathlib import Path
 
-from kvquant_recipe import calibrated_dev_row, dev_setup, save_dev_rows
+from dev_text import calibrated_dev_row, dev_setup, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
 

@@ -14,7 +14,7 @@ Rule, fixed before running: per bit width, the cheapest candidate (bits/element 
 whose development PPL is within the issue's target (4 bits 0.5%, 3 bits 3%, 2 bits 15%); if none
 is, the one with the lowest development PPL. Writes results/kvquant_recipe.json and prints a table.
 
-    python benchmarks/kvquant_recipe.py [--bits 4,3,2]   # rows of other widths in --out are kept
+    python experiments/kvquant_recipe.py [--bits 4,3,2]   # rows of other widths in --out are kept
 """
 
 import argparse
@@ -26,63 +26,14 @@ from pathlib import Path
 
 import torch
 
+from dev_text import CALIB_LEN, CALIB_SAMPLES, DEV_TEXT, TARGETS, dev_windows, kept_rows
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibration import calibrate, collect
 from kvq_ao.eval import evaluate
 from kvq_ao.models import load_model, pydoc_text, text_windows
 
-TARGETS = {4: 0.005, 3: 0.03, 2: 0.15}  # the issue's PPL-loss targets for kvquant-B-1pct
 SINKS = (1, 5)
 WINDOWS = (0, 32, 128)
-CALIB_SAMPLES, CALIB_LEN = 16, 512  # what `kvq calibrate` uses: the first 8192 tokens of the half
-DEV_TEXT = "pydoc calib half after the calibration tokens"
-
-
-def dev_windows(tok, n: int, length: int) -> torch.Tensor:
-    ids = tok(pydoc_text("calib"), return_tensors="pt").input_ids[0][CALIB_SAMPLES * CALIB_LEN :]
-    if ids.numel() < n * length:
-        raise ValueError(f"development text has {ids.numel()} tokens, fewer than {n} x {length}")
-    return ids[: n * length].reshape(n, length)
-
-
-def dev_setup(threads: int, windows: int = 8):
-    """(model, development windows `windows` x 1025, calibration activations) that the
-    development-text benchmarks share: SmolLM2, the text of `dev_windows`, and pre-RoPE activations
-    of the calibration samples `kvq calibrate` uses."""
-    torch.set_num_threads(threads)
-    model, tok = load_model("smollm2")
-    dev = dev_windows(tok, windows, 1025)
-    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
-    return model, dev, acts
-
-
-def calibrated_dev_row(model, dev: torch.Tensor, acts, config: KVQuantConfig, path: Path, **labels) -> dict:
-    """Calibrate `config` on the shared calibration activations (saved to `path`), then `dev_row`."""
-    saved = calibrate(model, None, config, activations=acts, progress=False).save(path)
-    return dev_row(model, dev, dataclasses.replace(config, calibration=str(saved)), **labels)
-
-
-def dev_row(model, dev: torch.Tensor, config: KVQuantConfig, **labels) -> dict:
-    """Evaluate `config` on the development windows; print and return its row: `labels`, the result, seconds."""
-    t0 = time.perf_counter()
-    r = evaluate(model, dev, config)
-    row = dict(**labels, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
-    print(json.dumps(row), flush=True)
-    return row
-
-
-def kept_rows(out: str, widths: list[int]) -> tuple[list[dict], dict[int, dict]]:
-    """(rows, chosen) of the bit widths *not* in `widths` from an earlier results file at `out`, so
-    widths can be re-measured one at a time without losing the others."""
-    if not Path(out).exists():
-        return [], {}
-    old = json.loads(Path(out).read_text())
-    rows = [r for r in old["rows"] if r["bits"] not in widths]
-    return rows, {int(b): c for b, c in old["chosen"].items() if int(b) not in widths}
-
-
-def save_dev_rows(out: str, rows: list[dict]) -> None:
-    Path(out).write_text(json.dumps(dict(date=str(date.today()), text=DEV_TEXT, rows=rows), indent=2) + "\n")
 
 
 def choose(rows: list[dict], target: float) -> dict:

@@ -1,0 +1,55 @@
+"""What the benchmarks share: the real model, its held-out text, and how results are written.
+
+Run every benchmark from the repository root (`python benchmarks/<name>.py`); each writes its
+raw rows under results/ with the date and the machine, and prints the table the docs quote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from datetime import date
+from pathlib import Path
+
+import torch
+
+
+def smollm2(threads: int):
+    """(SmolLM2-135M-Instruct in float32, its tokenizer), with torch using `threads` threads."""
+    from kvq_ao.models import load_model
+
+    torch.set_num_threads(threads)
+    return load_model("smollm2")
+
+
+def eval_windows(tokenizer, windows: int, window_len: int) -> torch.Tensor:
+    """[windows, window_len] token ids of the held-out (evaluation) half of pydoc_data's text."""
+    from kvq_ao.models import pydoc_text, text_windows
+
+    return text_windows(tokenizer, pydoc_text("eval"), windows, window_len)
+
+
+def machine() -> str:
+    """'<CPU model>, <n> cores' (what the docs' measurement records name)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def stamp(**fields) -> dict:
+    """The header of a results file: today's date, the machine, and `fields`."""
+    return dict(date=str(date.today()), machine=machine(), **fields)
+
+
+def save_json(path: str | Path, payload) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
