@@ -13,14 +13,9 @@ import argparse
 
 import torch
 
-from kvq_ao import KVQuantConfig, estimate, make_cache, quantize_kv_
+from kvq_ao import KVQuantConfig, estimate, load_model, make_cache, quantize_kv_
+from kvq_ao.eval import chat_ids
 from kvq_ao.model_info import model_dims
-from kvq_ao.models import load_model
-
-
-def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
-    return ids if torch.is_tensor(ids) else ids["input_ids"]
 
 
 @torch.no_grad()
@@ -34,7 +29,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = KVQuantConfig.preset(args.preset)  # a bad name fails here, before the model loads
     model, tokenizer = load_model(args.model)
-    ids = chat_ids(tokenizer, args.prompt)
+    ids = torch.tensor([chat_ids(tokenizer, args.prompt)])
 
     def answer(**kwargs) -> torch.Tensor:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,

@@ -48,7 +48,10 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     """
     if not isinstance(key, QuantizedKV):
         if softcap:
-            eager = sys.modules[type(module).__module__].eager_attention_forward
+            eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if eager is None:
+                raise ValueError(f"{type(module).__name__} soft-caps its attention logits but its module defines no "
+                                 "eager_attention_forward to run them in float; SDPA cannot cap them")  # fmt: skip
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if torch.compiler.is_compiling() and not torch._dynamo.config.assume_static_by_default:

@@ -189,7 +189,7 @@ def print_results(results: list[EvalResult]) -> None:
                 "clamped K/V %", "tokens"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(r.config, f"{r.ppl:.3f}", f"{r.ppl_fp:.3f}", f"{100 * (r.ppl_ratio - 1):+.2f}", f"{r.kl:.4f}",
+        table.add_row(r.config, f"{r.ppl:.3f}", f"{r.ppl_fp:.3f}", f"{100 * (r.ppl_ratio - 1):+.2f}", f"{max(r.kl, 0.0):.4f}",
                       f"{r.token_agreement:.3f}", f"{r.avg_bits:.2f}", f"{r.avg_bits_at_4096:.2f}",
                       f"{r.kv_bytes_per_token:.0f}", f"{100 * r.clamped_key_outliers:.2f}/{100 * r.clamped_value_outliers:.2f}",
                       str(r.tokens))  # fmt: skip

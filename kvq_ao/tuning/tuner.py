@@ -99,9 +99,12 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
         cfg = assignment_config(per_layer(assignment, groups), base)
         return kl_to(logp_fp, run_with(model, ids, cfg))
 
+    log(f"searching {len(cands)} layer groups under {max_avg_bits:g} average bits (each step measures an assignment's KL "
+        f"on {ids.numel()} calibration tokens through the cache)")
     front = search(cands, sizes, loss, max_avg_bits=max_avg_bits, trials=trials, seed=seed, progress=progress, seeds=seeds)
     chosen = min(front, key=lambda r: r.loss)
     n = len(groups)
+    log(f"measuring the {len(CANDIDATES)} uniform assignments for comparison")
     uniform = [(p, kl_to(logp_fp, run_with(model, ids, assignment_config([p] * n, base)))) for p in CANDIDATES]
     search_s = time.perf_counter() - t0
     config = assignment_config(per_layer(chosen.assignment, groups), base, name=f"tuned-{max_avg_bits:g}bit")
