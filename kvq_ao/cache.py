@@ -379,7 +379,8 @@ class QuantizedLayer(CacheLayerMixin):
         Positions (`side_pos`, `body_end`, the length) are shared by the whole batch: every row
         of a batch has the same length, so beams reorder their contents, never their layout."""
         owners = [(body, name) for body in (self.k_body, self.v_body) for name in ("codes", "scale", "zero", "out_val", "out_idx")]
-        return [(o, n) for o, n in [*owners, (self, "side_k"), (self, "side_v")] if getattr(o, n).dim() > 0 and getattr(o, n).numel()]
+        # 4-D [batch, heads, positions, ...]; a float body's scale/zero are empty 1-D placeholders
+        return [(o, n) for o, n in [*owners, (self, "side_k"), (self, "side_v")] if getattr(o, n).dim() == 4]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i of the batch becomes row beam_idx[i] (in place, so a static

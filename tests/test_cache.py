@@ -176,3 +176,25 @@ def test_beam_search_with_the_window_holding_everything_equals_the_fp_cache(tiny
         quantize_kv_(tiny_model, KVQuantConfig.preset("kivi-4"))  # 30 tokens < its 128-token window: nothing quantized
         quantized = tiny_model.generate(ids, **kw)
     assert torch.equal(quantized, fp)
+
+
+def test_batch_repeat_and_select_keep_every_tensor_with_a_batch_axis_in_step(tiny_model):
+    """transformers expands a cache's batch (assisted/contrastive decoding) and drops rows; every
+    batch-axis tensor, empty outlier slots included, must follow, and decoding must go on."""
+    quantize_kv_(tiny_model, dataclasses.replace(KVQuantConfig.preset("kivi-2"), residual_length=8, sink_tokens=1))
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(3))
+    cache = make_cache(tiny_model)
+    _run(tiny_model, ids, cache, 16)
+    before = [tuple(t.dequantize() for t in layer.keys_values()) for layer in cache.layers]
+    cache.batch_repeat_interleave(3)
+    for layer, (k, v) in zip(cache.layers, before):
+        assert all(t.shape[0] == 3 for owner, name in layer._batch_tensors() for t in [getattr(owner, name)])
+        assert layer.k_body.out_val.shape[0] == 3  # empty (no outliers) but still batched
+        k3, v3 = (t.dequantize() for t in layer.keys_values())
+        assert torch.equal(k3, k.expand(3, -1, -1, -1)) and torch.equal(v3, v.expand(3, -1, -1, -1))
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    nxt = torch.randint(0, 128, (2, 1), generator=torch.Generator().manual_seed(4))
+    fresh = make_cache(tiny_model)
+    _run(tiny_model, ids.expand(2, -1), fresh, 16)
+    # batch 2 prefill vs batch 1 expanded: GEMMs of another batch size differ in the last bits
+    torch.testing.assert_close(_run(tiny_model, nxt, cache, 1), _run(tiny_model, nxt, fresh, 1), rtol=1e-5, atol=1e-5)
