@@ -20,12 +20,17 @@ from kvq_ao.demo import DEFAULT_BUDGET, DEFAULT_CONFIGS
 from kvq_ao.export import EXECUTORCH_BACKENDS
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_only_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2' (packaged), a transformers folder, or a .gguf file")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model and --threads, plus the config to use (--preset or --config) and its calibration."""
+    _add_model_only_args(p)
     group = p.add_mutually_exclusive_group()
     group.add_argument("--preset", default=None, help="a preset name (see `kvq presets`)")
     group.add_argument("--config", default=None, help="a config JSON file (KVQuantConfig.save)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--calibration", default=None, metavar="PATH",
                    help="calibration artifact (.json) for nuq/outlier configs; default: the model's in the user cache")
 
@@ -289,8 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("tune", help="KVTuner: per-layer (key, value) bits under an average-bit budget")
-    p.add_argument("--model", default="smollm2", help="'smollm2' (packaged), a transformers folder, or a .gguf file")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_model_only_args(p)
     p.add_argument("--max-avg-bits", type=float, required=True, help="budget: mean of (key + value bits) / 2 over layers")
     p.add_argument("--out", default="tuned.json", help="the chosen config (.json); the Pareto CSV/PNG go beside it")
     p.add_argument("--groups", type=int, default=8, help="layer groups searched over")
@@ -335,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=4096)
     p.set_defaults(func=cmd_presets)
 
-    p = sub.add_parser("demo", help="end-to-end demo: quality, memory and answers for several presets")
-    _add_model_args(p)
+    p = sub.add_parser("demo", help="KIVI, KVQuant and KVTuner side by side: quality, memory and an answer each")
+    _add_model_only_args(p)
     text_args(p, 4, 1024)
     p.add_argument("--presets", default=",".join(DEFAULT_CONFIGS), help="presets evaluated beside the tuned config")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
