@@ -25,6 +25,15 @@ def test_import_loads_no_heavy_dependency_and_prints_nothing():
     assert done.returncode == 0 and done.stdout == "" and done.stderr == ""
 
 
+def test_public_names_load_no_optional_dependency_until_used():
+    """Even every public name imported: the tuner's optuna/sklearn, the plot's matplotlib and the
+    exporters' toolchains load only when tuning, plotting or exporting runs."""
+    out = _run("import sys\nfrom kvq_ao import *\n"
+               "print([m for m in ('optuna', 'sklearn', 'matplotlib', 'executorch', 'onnx', 'onnxruntime', 'onnxscript') "
+               "if m in sys.modules])")  # fmt: skip
+    assert out.strip() == "[]"
+
+
 def test_import_leaves_transformers_attention_registries_unchanged():
     """Registration happens in quantize_kv_, never at import (of the package or of any public name)."""
     out = _run(
