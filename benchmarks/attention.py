@@ -1,0 +1,136 @@
+"""One-token decode attention alone, at long contexts: the kvq op against fp32 SDPA and the memory floor.
+
+One layer of SmolLM2's shape (9 query heads, 3 kv heads, head_dim 64), batch 1. The quantized
+layer is filled through the cache's own `update()` (chunks of 4096 tokens of random N(0, 1) keys
+and values; the layer's real calibration for kvquant presets), so it holds exactly what a
+generating model would hold at that length. Variants:
+
+* `sdpa-fp32`: `scaled_dot_product_attention` over the float cache (GQA), what an fp cache costs;
+* `kvq-eager`: `torch.ops.kvq.attention` as eager PyTorch runs it;
+* `kvq-compiled`: the same op under `torch.compile` (the fused decomposition generation uses).
+
+Each row: median ms over `--repeats` calls after a warm-up, the bytes the cache holds (what a
+kernel must read: codes, scales, outliers, the full-precision side store), and the time those
+bytes take at the memory bandwidth measured in the same run (a large `copy_`), i.e. the floor a
+bandwidth-bound kernel would reach. Rows in results/attention.json.
+
+    python benchmarks/attention.py --lengths 4096,32768,131072 --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import machine, save_json, smollm2, stamp
+
+HQ, HKV, D = 9, 3, 64
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up (and compilation)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def bandwidth_gbs(mib: int = 1024) -> float:
+    """Copy bandwidth (read + write bytes per second) of a `mib`-MiB buffer, best of 5."""
+    src = torch.empty(mib * 2**18, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def filled_layer(model, preset: str, n: int):
+    """Layer 0 of a fresh quantized cache for `model`, filled with `n` random tokens."""
+    from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+
+    config = KVQuantConfig.preset(preset)
+    quantize_kv_(model, config)
+    layer = make_cache(model, config).layers[0]
+    g = torch.Generator().manual_seed(0)
+    for start in range(0, n, 4096):
+        size = min(4096, n - start)
+        layer.update(torch.randn(1, HKV, size, D, generator=g), torch.randn(1, HKV, size, D, generator=g))
+    return layer
+
+
+def op_args(layer, q: torch.Tensor) -> tuple:
+    keys, values = layer.keys_values()
+    mask = torch.ones(1, 1, 1, keys.shape[2], dtype=torch.bool)
+    mask[..., int(layer.cumulative_length) :] = False
+    return (q, keys.codes, keys.scale, keys.zero, keys.codebook, keys.out_val, keys.out_idx,
+            values.codes, values.scale, values.zero, values.codebook, values.out_val, values.out_idx,
+            keys.side, values.side, keys.side_pos, keys.body_end, mask, keys.rope_inv_freq, keys.body_start,
+            D**-0.5, float(keys.rope_scale), keys.bits, keys.axis, keys.group, values.bits, values.axis, values.group)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="4096,32768,131072")
+    parser.add_argument("--presets", default="kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct")
+    parser.add_argument("--variants", default="sdpa-fp32,kvq-eager,kvq-compiled")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="results/attention.json")
+    args = parser.parse_args()
+    model, _ = smollm2(args.threads)
+    gbs = bandwidth_gbs()
+    print(f"{machine()}, {args.threads} threads; copy bandwidth {gbs:.1f} GB/s", flush=True)
+    variants = args.variants.split(",")
+    rows = []
+    q = torch.randn(1, HQ, 1, D, generator=torch.Generator().manual_seed(1))
+    import kvq_ao.ops  # noqa: F401  (registers torch.ops.kvq; quantize_kv_ adds inductor's decompositions)
+
+    def add(row: dict) -> None:
+        row["floor_ms"] = 1000 * row["bytes"] / (gbs * 1e9)
+        row["x_floor"] = row["ms"] / row["floor_ms"]
+        rows.append(row)
+        print(f"{row['format']:15} {row['tokens']:>8} {row['variant']:13} {row['ms']:9.2f} ms  {row['bytes'] / 2**20:8.1f} MiB  "
+              f"floor {row['floor_ms']:7.2f} ms ({row['x_floor']:.1f}x)", flush=True)  # fmt: skip
+        save_json(args.out, stamp(threads=args.threads, copy_gbs=round(gbs, 2), rows=rows))
+
+    for n in [int(x) for x in args.lengths.split(",")]:
+        if "sdpa-fp32" in variants:
+            g = torch.Generator().manual_seed(0)
+            k, v = torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g)
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+            add(dict(format="fp32", tokens=n, variant="sdpa-fp32", ms=median_ms(sdpa, args.repeats), bytes=2 * k.numel() * 4))
+            k = v = None  # free the float cache before the quantized ones are built
+        for preset in args.presets.split(","):
+            layer = filled_layer(model, preset, n)
+            held = layer.tensor_bytes()
+            op = op_args(layer, q)
+            with torch.no_grad():
+                if "kvq-eager" in variants:
+                    add(dict(format=preset, tokens=n, variant="kvq-eager", ms=median_ms(lambda: torch.ops.kvq.attention(*op), args.repeats),
+                             bytes=held))  # fmt: skip
+                if "kvq-compiled" in variants:  # a fresh compile per row (dynamo's recompile limit is per function)
+                    torch._dynamo.reset()
+                    compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True, dynamic=False)
+                    add(dict(format=preset, tokens=n, variant="kvq-compiled", ms=median_ms(lambda: compiled(*op), args.repeats),
+                             bytes=held))  # fmt: skip
+    fp = {r["tokens"]: r["ms"] for r in rows if r["variant"] == "sdpa-fp32"}
+    print("\n| format | cached tokens | variant | ms | MiB read | floor ms | x floor | vs fp32 SDPA |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        speedup = f"{fp[r['tokens']] / r['ms']:.2f}x" if r["tokens"] in fp else "-"
+        print(f"| {r['format']} | {r['tokens']} | {r['variant']} | {r['ms']:.2f} | {r['bytes'] / 2**20:.1f} | "
+              f"{r['floor_ms']:.2f} | {r['x_floor']:.1f} | {speedup} |")
+
+
+if __name__ == "__main__":
+    main()
