@@ -5,7 +5,7 @@ What it does, and nothing more:
    sliding-window layers) and that the config fits it (layer count, head_dim, groups);
 2. switches the model's attention to "kvq", an attention function registered with
    transformers' `AttentionInterface` that sends `QuantizedKV` keys/values to
-   `torch.ops.kvq.attention` (anything else goes to SDPA as before);
+   `torch.ops.kvq.decode_attention` / `kvq.chunk_attention` (anything else goes to SDPA as before);
 3. makes `model.generate()` build a `QuantizedKVCache` (static if `cache_implementation="static"`
    or a compile config asks for it) whenever the caller does not pass a cache.
 No model code is patched; `model.kvq_config` records the config.
@@ -25,9 +25,11 @@ from kvq_ao._torchao import register_quantize_module_handler
 from kvq_ao.cache import QuantizedKVCache
 from kvq_ao.calibration import for_model
 from kvq_ao.config import KVQuantConfig
+from kvq_ao.kernels import cpu as native_cpu
 from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.ops import enable_inductor_fusion
 from kvq_ao.tensor import QuantizedKV
+from kvq_ao.tensor import attention as quantized_attention
 
 ATTN_NAME = "kvq"
 
@@ -40,7 +42,7 @@ DYNAMIC_COMPILE_ERROR = (
 
 
 def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
-    """transformers attention function: quantized cache -> kvq.attention, else the float path.
+    """transformers attention function: quantized cache -> the kvq attention ops, else the float path.
 
     `softcap` (Gemma-2's attention logit soft-capping) is applied inside the kvq op. Without a
     quantized cache (e.g. `use_cache=False`) the float path is SDPA, or the model's own eager
@@ -59,13 +61,7 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("kvq attention expects the boolean 4-D mask built by the 'kvq' mask function")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.kvq.attention(
-        query, key.codes, key.scale, key.zero, key.codebook, key.out_val, key.out_idx,
-        value.codes, value.scale, value.zero, value.codebook, value.out_val, value.out_idx,
-        key.side, value.side, key.side_pos, key.body_end, attention_mask, key.rope_inv_freq,
-        key.body_start, float(scaling), float(key.rope_scale), key.bits, key.axis, key.group,
-        value.bits, value.axis, value.group, float(softcap or 0.0),
-    )  # fmt: skip
+    out = quantized_attention(query, key, value, attention_mask, scaling, float(softcap or 0.0))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -120,6 +116,7 @@ def quantize_kv_(model, config: KVQuantConfig):
         raise TypeError(f"config must be a KVQuantConfig, got {type(config).__name__}")
     check_model(model, config)
     register_attention()
+    native_cpu.load()  # builds the native CPU kernels on first use (warns and keeps the reference without a compiler)
     enable_inductor_fusion()
     model.kvq_config = config
     if getattr(model, "_kvq_previous_attn", None) is None:

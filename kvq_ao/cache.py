@@ -10,7 +10,7 @@ Each layer keeps
 Positions [sink, body_end) are read from the body and the rest from the side, where
 body_end = floor((length - residual) / block) * block. `update()` returns the layer's keys and
 values as `QuantizedKV` views of this storage; attention reads them through
-`torch.ops.kvq.attention`, so the quantized cache is what the model really attends to.
+the kvq attention ops, so the quantized cache is what the model really attends to.
 
 Two update paths produce identical storage (tested against each other):
 * `_append_eager` (any number of tokens, Python ints; dynamic caches and any prefill),

@@ -2,7 +2,7 @@
 
 Perplexity: the text is cut into windows; each window starts a fresh `QuantizedKVCache` and is
 fed in chunks, so every chunk attends to the already-quantized cache through
-`torch.ops.kvq.attention` (the chunk's own tokens included, as the cache holds them). The fp
+`torch.ops.kvq.chunk_attention` (the chunk's own tokens included, as the cache holds them). The fp
 reference runs each window in one pass without any cache.
 
 Reported: perplexity (quantized and fp), mean KL(fp || quantized) of the next-token

@@ -2,7 +2,8 @@
 
 Ops are functional (they never write their inputs): the cache appends their results into its
 preallocated buffers with `index_copy_`, which compile, torch.export and ExecuTorch all handle.
-The implementations live in `kvq_ao.kernels.composite` (core ATen only); fake kernels give
+The reference implementations live in `kvq_ao.kernels.reference` (core ATen only; the native
+CPU kernel of decode attention in `kvq_ao.kernels.cpu` replaces it on CPU); fake kernels give
 shapes and dtypes without touching data, so torch.compile and torch.export can trace the ops.
 Every op validates its arguments in one shared helper so real and fake kernels reject the same
 inputs with the same message.
@@ -10,9 +11,11 @@ inputs with the same message.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from kvq_ao.kernels import composite
+from kvq_ao.kernels import reference
 from kvq_ao.quant.packing import SUPPORTED_BITS, packed_size
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, check_shape
 
@@ -46,7 +49,7 @@ def quantize(
     when lo and hi are empty, per vector (its entries furthest from its mean; per-token axis only).
     """
     _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
-    return composite.quantize(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers)
+    return reference.quantize(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers)
 
 
 @quantize.register_fake
@@ -100,7 +103,7 @@ def dequantize(
     """Packed codes [..., T, D*bits/8] -> [..., T, D] in dtype (bits == 0: codes are already float)."""
     _check_format(bits, axis, group, allow_fp=True)
     _check_codebook_shape(codebook, bits)
-    return composite.dequantize(codes, scale, zero, codebook, out_val, out_idx, bits, axis, group, dtype)
+    return reference.dequantize(codes, scale, zero, codebook, out_val, out_idx, bits, axis, group, dtype)
 
 
 @dequantize.register_fake
@@ -114,113 +117,162 @@ def _(codes, scale, zero, codebook, out_val, out_idx, bits, axis, group, dtype):
 
 
 # --------------------------------------------------------------------------- attention
-@torch.library.custom_op("kvq::attention", mutates_args=())
-def attention(
-    q: torch.Tensor,
-    k_codes: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    k_codebook: torch.Tensor,
-    k_out_val: torch.Tensor,
-    k_out_idx: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    v_codebook: torch.Tensor,
-    v_out_val: torch.Tensor,
-    v_out_idx: torch.Tensor,
-    side_k: torch.Tensor,
-    side_v: torch.Tensor,
-    side_pos: torch.Tensor,
-    body_end: torch.Tensor,
-    mask: torch.Tensor,
-    rope_inv_freq: torch.Tensor,
-    body_start: int,
-    scaling: float,
-    rope_scale: float,
-    k_bits: int,
-    k_axis: int,
-    k_group: int,
-    v_bits: int,
-    v_axis: int,
-    v_group: int,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """Attention of q [B, Hq, Tq, D] over one layer's quantized cache; see kernels/composite.py.
-
-    softcap > 0 caps the scaled logits as softcap * tanh(s / softcap) (Gemma-2); 0 leaves them."""
-    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
-                     v_group, k_codebook, v_codebook, rope_inv_freq, softcap)  # fmt: skip
-    return composite.attention(
-        q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook,
-        v_out_val, v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling,
-        rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, softcap, target="eager",
-    )  # fmt: skip
+# The one definition of the attention ops' arguments. Both ops take the same arguments; callers
+# pass them by name (`kvq_ao.tensor.attention` builds them from two `QuantizedKV`), so this string
+# is the only place that fixes their order (the C++ kernel in kernels/cpu follows it).
+# Optional tensors are None when the format does not use them: scale/zero for a float body,
+# codebook for uniform levels, out_val/out_idx without outliers, rope_inv_freq for post-RoPE keys.
+ATTENTION_SCHEMA = (
+    "(Tensor q, "
+    "Tensor k_codes, Tensor? k_scale, Tensor? k_zero, Tensor? k_codebook, Tensor? k_out_val, Tensor? k_out_idx, "
+    "Tensor v_codes, Tensor? v_scale, Tensor? v_zero, Tensor? v_codebook, Tensor? v_out_val, Tensor? v_out_idx, "
+    "Tensor side_k, Tensor side_v, Tensor side_pos, Tensor body_end, Tensor mask, Tensor? rope_inv_freq, "
+    "int body_start, float scaling, float rope_scale, int k_bits, int k_axis, int k_group, "
+    "int v_bits, int v_axis, int v_group, float softcap=0.0) -> Tensor"
+)
+ATTENTION_FIELDS: tuple[str, ...] = tuple(re.findall(r"(\w+)(?:=[^,)]*)?[,)]", ATTENTION_SCHEMA.split("->")[0]))
+_OPTIONAL = tuple(re.findall(r"Tensor\? (\w+)", ATTENTION_SCHEMA))
 
 
-@attention.register_fake
-def _(q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook,
-      v_out_val, v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling,
-      rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, softcap=0.0):  # fmt: skip
-    _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
-                     v_group, k_codebook, v_codebook, rope_inv_freq, softcap)  # fmt: skip
-    return q.new_empty([*q.shape[:-1], side_v.shape[-1]])
+def named_arguments(args: tuple, kwargs: dict) -> dict:
+    """The attention ops' arguments by name, however they were passed."""
+    named = dict(zip(ATTENTION_FIELDS, args), **kwargs)
+    named.setdefault("softcap", 0.0)
+    return named
 
 
-def _check_attention(q, k_codes, v_codes, side_k, side_v, side_pos, mask, k_bits, k_axis, k_group, v_bits, v_axis,
-                     v_group, k_codebook, v_codebook, rope_inv_freq, softcap):  # fmt: skip
+def reference_arguments(named: dict) -> dict:
+    """The arguments with every absent optional tensor as the empty tensor the reference kernels expect."""
+    out = dict(named)
+    for name in _OPTIONAL:
+        if out[name] is None:
+            if name.endswith("out_val") or name.endswith("out_idx"):
+                codes = out[name[0] + "_codes"]
+                dtype = torch.uint8 if name.endswith("idx") else out["side_k"].dtype
+                out[name] = codes.new_zeros([*codes.shape[:-1], 0], dtype=dtype)
+            else:
+                out[name] = out["q"].new_zeros(0, dtype=torch.float16 if name[2:] in ("scale", "zero") else torch.float32)
+    return out
+
+
+@torch.library.custom_op("kvq::decode_attention", mutates_args=(), schema=ATTENTION_SCHEMA)
+def decode_attention(*args, **kwargs) -> torch.Tensor:
+    """Attention of one query token q [B, Hq, 1, D] over one layer's quantized cache -> [B, Hq, 1, Dv].
+
+    The decode hot path: CPU runs the native kernel (kernels/cpu) when it is built, every other
+    device the reference (kernels/reference.py). softcap > 0 caps the scaled logits as
+    softcap * tanh(s / softcap) (Gemma-2); 0 leaves them."""
+    named = _check_attention(named_arguments(args, kwargs), decode=True)
+    return reference.attention(**reference_arguments(named), target="eager")
+
+
+@torch.library.custom_op("kvq::chunk_attention", mutates_args=(), schema=ATTENTION_SCHEMA)
+def chunk_attention(*args, **kwargs) -> torch.Tensor:
+    """Attention of a chunk of queries q [B, Hq, Tq, D] (prefill) over one layer's quantized cache."""
+    named = _check_attention(named_arguments(args, kwargs), decode=False)
+    return reference.attention(**reference_arguments(named), target="eager")
+
+
+@decode_attention.register_fake
+def _(*args, **kwargs):
+    named = _check_attention(named_arguments(args, kwargs), decode=True)
+    return named["q"].new_empty([*named["q"].shape[:-1], named["side_v"].shape[-1]])
+
+
+@chunk_attention.register_fake
+def _(*args, **kwargs):
+    named = _check_attention(named_arguments(args, kwargs), decode=False)
+    return named["q"].new_empty([*named["q"].shape[:-1], named["side_v"].shape[-1]])
+
+
+def _check_optional(a: dict, prefix: str) -> None:
+    bits = a[f"{prefix}_bits"]
+    codes, scale, zero = a[f"{prefix}_codes"], a[f"{prefix}_scale"], a[f"{prefix}_zero"]
+    if bits == 0:
+        if scale is not None or zero is not None or a[f"{prefix}_codebook"] is not None:
+            raise ValueError(f"kvq attention: a float {prefix} body (bits 0) takes no {prefix}_scale, {prefix}_zero or {prefix}_codebook")
+    elif scale is None or zero is None:
+        raise ValueError(f"kvq attention: {bits}-bit {prefix} codes need {prefix}_scale and {prefix}_zero")
+    elif codes.dtype != torch.uint8:
+        raise ValueError(f"kvq attention: {bits}-bit {prefix}_codes must be uint8, got {codes.dtype}")
+    val, idx = a[f"{prefix}_out_val"], a[f"{prefix}_out_idx"]
+    if (val is None) != (idx is None):
+        raise ValueError(f"kvq attention: {prefix}_out_val and {prefix}_out_idx come together (both or neither)")
+    if val is not None and (val.shape != idx.shape or tuple(val.shape[:-1]) != tuple(codes.shape[:-1]) or idx.dtype != torch.uint8):
+        raise ValueError(f"kvq attention: {prefix} outliers must be [batch, heads, tokens, k] values and uint8 indices")
+    cb = a[f"{prefix}_codebook"]
+    if cb is not None and cb.numel() == 0:
+        raise ValueError(f"kvq attention: pass {prefix}_codebook=None for uniform levels, not an empty tensor")
+    _check_codebook_shape(cb if cb is not None else codes.new_zeros(0), bits)
+
+
+def _check_attention(a: dict, decode: bool) -> dict:
+    """Validate named attention arguments (shared by real and fake kernels); returns them."""
+    q, k_codes, v_codes, side_k, side_v = a["q"], a["k_codes"], a["v_codes"], a["side_k"], a["side_v"]
+    side_pos, mask, rope, softcap = a["side_pos"], a["mask"], a["rope_inv_freq"], a["softcap"]
     if not softcap >= 0.0:  # also rejects NaN
-        raise ValueError(f"kvq.attention: softcap must be >= 0 (0 = no soft-capping), got {softcap}")
-    _check_format(k_bits, k_axis, k_group, allow_fp=True)
-    _check_format(v_bits, v_axis, v_group, allow_fp=True)
-    _check_codebook_shape(k_codebook, k_bits)
-    _check_codebook_shape(v_codebook, v_bits)
-    if rope_inv_freq.numel() not in (0, side_k.shape[-1] // 2):
-        raise ValueError(f"kvq.attention: rope_inv_freq must be empty or head_dim/2 = {side_k.shape[-1] // 2} long")
+        raise ValueError(f"kvq attention: softcap must be >= 0 (0 = no soft-capping), got {softcap}")
+    _check_format(a["k_bits"], a["k_axis"], a["k_group"], allow_fp=True)
+    _check_format(a["v_bits"], a["v_axis"], a["v_group"], allow_fp=True)
     if q.dim() != 4 or k_codes.dim() != 4 or v_codes.dim() != 4:
-        raise ValueError("kvq.attention: q and the cache must be 4-D [batch, heads, tokens, head_dim]")
+        raise ValueError("kvq attention: q and the cache must be 4-D [batch, heads, tokens, head_dim]")
+    if decode and q.shape[2] != 1:
+        raise ValueError(f"kvq.decode_attention takes one query token, got {q.shape[2]}: use kvq.chunk_attention")
+    _check_optional(a, "k")
+    _check_optional(a, "v")
+    if rope is not None and (rope.dim() != 1 or rope.numel() != side_k.shape[-1] // 2):
+        raise ValueError(f"kvq attention: rope_inv_freq must be None (post-RoPE keys) or head_dim/2 = {side_k.shape[-1] // 2} long")
     hq, hkv = q.shape[1], k_codes.shape[1]
     if hq % hkv:
-        raise ValueError(f"kvq.attention: {hq} query heads is not a multiple of {hkv} key/value heads")
+        raise ValueError(f"kvq attention: {hq} query heads is not a multiple of {hkv} key/value heads")
     if q.shape[-1] != side_k.shape[-1]:
-        raise ValueError(f"kvq.attention: query head_dim {q.shape[-1]} != key head_dim {side_k.shape[-1]}")
-    if mask.dtype != torch.bool or mask.dim() != 4:
-        raise ValueError("kvq.attention: mask must be a 4-D bool tensor [batch, 1 or heads, q_len, kv_len]")
+        raise ValueError(f"kvq attention: query head_dim {q.shape[-1]} != key head_dim {side_k.shape[-1]}")
+    if side_v.shape[:3] != side_k.shape[:3] or v_codes.shape[:3] != k_codes.shape[:3]:
+        raise ValueError("kvq attention: keys and values must cover the same batch, heads and tokens")
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] not in (1, hq) or mask.shape[2] != q.shape[2]:
+        raise ValueError("kvq attention: mask must be a 4-D bool tensor [batch, 1 or heads, q_len, kv_len]")
     if mask.shape[-1] != k_codes.shape[2]:
-        raise ValueError(f"kvq.attention: mask covers {mask.shape[-1]} positions but the cache holds {k_codes.shape[2]}")
+        raise ValueError(f"kvq attention: mask covers {mask.shape[-1]} positions but the cache holds {k_codes.shape[2]}")
     if side_pos.dim() != 1 or side_pos.shape[0] != side_k.shape[2] or side_pos.dtype != torch.int64:
-        raise ValueError("kvq.attention: side_pos must be int64 [side_len] matching side_k's token axis")
+        raise ValueError("kvq attention: side_pos must be int64 [side_len] matching side_k's token axis")
+    if a["body_end"].dim() != 0 or a["body_end"].dtype != torch.int64:
+        raise ValueError("kvq attention: body_end must be a 0-dim int64 tensor")
+    return a
 
 
 # --------------------------------------------------------------------------- inductor fusion
 _FUSION_ENABLED = False
-_CACHE_ENTRY = "kvq_ao.kernels.composite"
+_CACHE_ENTRY = "kvq_ao.kernels.reference"
 
 
 def implementation_digest() -> str:
-    """Hash of the sources inductor traces for the kvq ops: the composite kernels and every module
-    of `kvq_ao.quant` (found by listing the package, so a new numerics module is never left out)."""
+    """Hash of the sources inductor traces for the kvq ops: the reference kernels, this module (it
+    chooses between native op and decomposition) and every module of `kvq_ao.quant` (found by
+    listing the package, so a new numerics module is never left out)."""
     import hashlib
     import importlib
     import inspect
     import pkgutil
+    import sys
 
     import kvq_ao.quant
 
     quant = [importlib.import_module(f"kvq_ao.quant.{m.name}") for m in pkgutil.iter_modules(kvq_ao.quant.__path__)]
     digest = hashlib.sha256()
-    for module in [composite, *sorted(quant, key=lambda m: m.__name__)]:
+    for module in [reference, sys.modules[__name__], *sorted(quant, key=lambda m: m.__name__)]:
         digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()[:16]
 
 
 def enable_inductor_fusion() -> None:
-    """Let inductor trace the ops' composite implementations instead of calling them opaquely.
+    """Let inductor trace the reference kernels wherever no native kernel serves the device.
 
-    A custom op with only a backend kernel stays an extern call under inductor (no fusion, eager
-    speed). Registered as inductor decompositions, the composite code is traced and fused: decode
-    attention becomes one loop over packed codes with no float [T, D] buffer. Done lazily (from
-    `quantize_kv_`) because importing inductor costs seconds that `import kvq_ao` should not pay.
+    A custom op with only a Python kernel stays an extern call under inductor (no fusion, eager
+    speed). Registered as inductor decompositions, the reference code is traced and fused: decode
+    attention becomes one loop over packed codes with no float [T, D] buffer. Where a native
+    kernel serves the device (decode attention on CPU, `kvq_ao.kernels.cpu`) the decomposition
+    declines and the compiled graph calls the native op. Done lazily (from `quantize_kv_`) because
+    importing inductor costs seconds that `import kvq_ao` should not pay.
     """
     global _FUSION_ENABLED
     if _FUSION_ENABLED:
@@ -229,7 +281,7 @@ def enable_inductor_fusion() -> None:
     from torch._inductor.decomposition import register_decomposition
 
     # Inductor's graph caches key a custom op by its name only, so code compiled from an older
-    # composite would be reused after an upgrade (seen here: wrong attention after a packing
+    # reference would be reused after an upgrade (seen here: wrong attention after a packing
     # change). Every config value is part of the cache keys: keying this entry on the traced
     # sources makes a changed implementation miss the cache. (The entry names no function in any
     # graph, so it marks nothing cacheable that was not.)
@@ -238,16 +290,29 @@ def enable_inductor_fusion() -> None:
         _CACHE_ENTRY: implementation_digest(),
     }
 
-    register_decomposition(torch.ops.kvq.quantize.default)(composite.quantize)
-    register_decomposition(torch.ops.kvq.dequantize.default)(composite.dequantize)
-    register_decomposition(torch.ops.kvq.attention.default)(_attention_for_inductor)
+    register_decomposition(torch.ops.kvq.quantize.default)(reference.quantize)
+    register_decomposition(torch.ops.kvq.dequantize.default)(reference.dequantize)
+    register_decomposition(torch.ops.kvq.decode_attention.default)(_decode_attention_for_inductor)
+    register_decomposition(torch.ops.kvq.chunk_attention.default)(_chunk_attention_for_inductor)
     _FUSION_ENABLED = True
 
 
-def _attention_for_inductor(*args):
-    """The composite attention in its inductor form (buffers for q and the RoPE table, codebook
+def _decode_attention_for_inductor(*args, **kwargs):
+    """The reference decode attention in its inductor form, unless a native kernel serves q's device
+    (then NotImplemented: the op stays in the graph and calls that kernel)."""
+    named = named_arguments(args, kwargs)
+    from kvq_ao.kernels import native_device
+
+    if native_device(named["q"].device):
+        return NotImplemented
+    return reference.attention(**reference_arguments(named), target="inductor")
+
+
+def _chunk_attention_for_inductor(*args, **kwargs):
+    """The reference chunk attention in its inductor form (buffers for q and the RoPE table, codebook
     levels by selects); same values, measured faster at long contexts."""
-    return composite.attention(*args, target="inductor")
+    return reference.attention(**reference_arguments(named_arguments(args, kwargs)), target="inductor")
 
 
-__all__ = ["attention", "dequantize", "enable_inductor_fusion", "quantize"]
+__all__ = ["ATTENTION_FIELDS", "ATTENTION_SCHEMA", "chunk_attention", "decode_attention", "dequantize",
+           "enable_inductor_fusion", "named_arguments", "quantize", "reference_arguments"]  # fmt: skip

@@ -12,8 +12,9 @@ A wrapper tensor subclass (on torchao's `TorchAOBaseTensor`) whose logical value
 * `body_end` (0-dim int64 tensor) and `body_start` (int): body positions in
   [body_start, body_end) are read from the codes, every other valid position from `side`.
 
-It is what the cache's `update()` returns; `kvq_ao.api`'s attention function hands its fields
-to `torch.ops.kvq.attention` without materializing float K/V. Any other non-mutating op
+It is what the cache's `update()` returns; `attention(query, key, value, ...)` below hands the
+fields of a key and a value `QuantizedKV` to `torch.ops.kvq.decode_attention` (one query token)
+or `kvq.chunk_attention` by name, without materializing float K/V. Any other non-mutating op
 dequantizes first (correct, slow). `copy_` is implemented (compiled in-place writes into a
 subclass are silently lost otherwise); every other in-place op raises.
 """
@@ -140,4 +141,43 @@ def _copy(func, types, args, kwargs):
 torch.serialization.add_safe_globals([QuantizedKV])
 
 
-__all__ = ["QuantizedKV"]
+def _present(t: torch.Tensor) -> torch.Tensor | None:
+    return t if t.numel() > 0 else None
+
+
+def operand(x: QuantizedKV, prefix: str) -> dict:
+    """One of K ("k") or V ("v") as the attention ops name their arguments; fields the format does
+    not use are None (a float body has no scale, uniform levels no codebook, ...)."""
+    has_outliers = x.out_val.shape[-1] > 0
+    return {
+        f"{prefix}_codes": x.codes,
+        f"{prefix}_scale": _present(x.scale),
+        f"{prefix}_zero": _present(x.zero),
+        f"{prefix}_codebook": _present(x.codebook),
+        f"{prefix}_out_val": x.out_val if has_outliers else None,
+        f"{prefix}_out_idx": x.out_idx if has_outliers else None,
+        f"{prefix}_bits": x.bits,
+        f"{prefix}_axis": x.axis,
+        f"{prefix}_group": x.group,
+    }
+
+
+def attention_arguments(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, mask: torch.Tensor,
+                        scaling: float, softcap: float = 0.0) -> dict:  # fmt: skip
+    """The named arguments of the attention ops for `query` over a layer's quantized keys and values."""
+    return dict(
+        q=query, **operand(key, "k"), **operand(value, "v"), side_k=key.side, side_v=value.side,
+        side_pos=key.side_pos, body_end=key.body_end, mask=mask, rope_inv_freq=_present(key.rope_inv_freq),
+        body_start=key.body_start, scaling=float(scaling), rope_scale=float(key.rope_scale), softcap=float(softcap),
+    )  # fmt: skip
+
+
+def attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, mask: torch.Tensor, scaling: float,
+              softcap: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """Attention of query [B, Hq, Tq, D] over quantized keys and values -> [B, Hq, Tq, Dv]:
+    `kvq.decode_attention` for one query token (the native kernel on CPU), else `kvq.chunk_attention`."""
+    op = torch.ops.kvq.decode_attention if query.shape[2] == 1 else torch.ops.kvq.chunk_attention
+    return op(**attention_arguments(query, key, value, mask, scaling, softcap))
+
+
+__all__ = ["QuantizedKV", "attention", "attention_arguments", "operand"]

@@ -1,34 +1,38 @@
-"""Random kvq.attention cases and their float64 reference, shared by the op, compile and KVQuant tests."""
+"""Random cases of the kvq attention ops (named arguments) and their float64 reference, shared by
+the op, native-kernel, compile and KVQuant tests."""
 
 import torch
 
+from kvq_ao.ops import ATTENTION_FIELDS, reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
 
-ORDER = ("q", "k_codes", "k_scale", "k_zero", "k_codebook", "k_out_val", "k_out_idx", "v_codes", "v_scale", "v_zero",
-         "v_codebook", "v_out_val", "v_out_idx", "side_k", "side_v", "side_pos", "body_end", "mask", "rope_inv_freq",
-         "body_start", "scaling", "rope_scale", "k_bits", "k_axis", "k_group", "v_bits", "v_axis", "v_group", "softcap")  # fmt: skip
+def attend(named: dict) -> torch.Tensor:
+    """The attention op for the case's query length, called with the case's named arguments."""
+    op = torch.ops.kvq.decode_attention if named["q"].shape[2] == 1 else torch.ops.kvq.chunk_attention
+    return op(**named)
 
 
-def op_args(named: dict) -> tuple:
-    """The kvq.attention argument tuple from named arguments."""
-    return tuple(named[n] for n in ORDER)
+def positional(named: dict) -> tuple:
+    """The arguments in schema order (for opcheck and torch.compile'd lambdas)."""
+    return tuple(named[n] for n in ATTENTION_FIELDS)
 
 
 def _quantized(x, bits, axis, group, codebook=None, outliers=0, g=None):
     """(codes, scale, zero, codebook, out_val, out_idx) of x in one format (bits 0: float)."""
     empty = torch.zeros(0)
     if bits == 0:
-        return (x.clone(), torch.zeros(0, dtype=torch.float16), torch.zeros(0, dtype=torch.float16), empty,
-                x.new_zeros(*x.shape[:-1], 0), x.new_zeros(*x.shape[:-1], 0, dtype=torch.uint8))  # fmt: skip
+        return x.clone(), None, None, None, None, None
     cb = empty if codebook is None else codebook
     lo = hi = empty
     if outliers:  # thresholds that make a few entries per vector outliers
         lo = -1.5 * torch.ones(x.shape[1], x.shape[-1])
         hi = 1.5 * torch.ones(x.shape[1], x.shape[-1])
     codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(x, bits, axis, group, torch.float16, cb, lo, hi, outliers)
-    return codes, scale, zero, cb, out_val, out_idx
+    if not outliers:
+        out_val = out_idx = None
+    return codes, scale, zero, codebook, out_val, out_idx
 
 
 def attention_case(seed, tq, bits_k=4, bits_v=4, k_axis=AXIS_CHANNEL, v_axis=AXIS_TOKEN, hq=6, hkv=2, t=64, d=32, n_side=5,
@@ -50,14 +54,14 @@ def attention_case(seed, tq, bits_k=4, bits_v=4, k_axis=AXIS_CHANNEL, v_axis=AXI
     mask = (torch.arange(t)[None, :] <= q_pos[:, None]).expand(2, hq if head_mask else 1, tq, t).clone()
     if head_mask:
         mask[:, 1, :, 5:9] = False
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)) if pre_rope else torch.zeros(0)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)) if pre_rope else None
     named = dict(q=q, side_k=side_k, side_v=side_v, side_pos=side_pos, body_end=torch.tensor(body_end), mask=mask,
                  rope_inv_freq=inv_freq, body_start=body_start, scaling=d**-0.5, rope_scale=1.25 if pre_rope else 1.0,
                  k_bits=bits_k, k_axis=k_axis, k_group=16, v_bits=bits_v, v_axis=v_axis, v_group=16, softcap=softcap)  # fmt: skip
     for prefix, parts in (("k", kq), ("v", vq)):
         for name, tensor in zip(("codes", "scale", "zero", "codebook", "out_val", "out_idx"), parts):
             named[f"{prefix}_{name}"] = tensor
-    return op_args(named)
+    return named
 
 
 def _rotate64(x, positions, inv_freq, scale):
@@ -69,9 +73,9 @@ def _rotate64(x, positions, inv_freq, scale):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def reference_attention(args):
+def reference_attention(named):
     """float64: build logical K/V (body in [start, end), side elsewhere) and do softmax attention."""
-    a = dict(zip(ORDER, args))
+    a = reference_arguments(named)
     k = torch.ops.kvq.dequantize(a["k_codes"], a["k_scale"], a["k_zero"], a["k_codebook"], a["k_out_val"],
                                  a["k_out_idx"], a["k_bits"], a["k_axis"], a["k_group"], torch.float64)  # fmt: skip
     v = torch.ops.kvq.dequantize(a["v_codes"], a["v_scale"], a["v_zero"], a["v_codebook"], a["v_out_val"],

@@ -76,3 +76,13 @@ def tiny_gemma(version: int = 3, layers: int = 4, seed: int = 0, softcap: float 
     if version == 3:
         return Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window_pattern=2)).eval()
     raise ValueError(f"Gemma version must be 2 or 3, got {version}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_cpu_kernels():
+    """Every test runs with the native CPU kernels, as users do after quantize_kv_ (built once per
+    machine; tests that need the reference call it directly)."""
+    from kvq_ao.kernels import cpu
+
+    assert cpu.load(), "the native CPU kernels did not build (see the warning above)"
+    return cpu

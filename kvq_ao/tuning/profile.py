@@ -1,7 +1,7 @@
 """Per-layer sensitivity of a model's KV cache to each (key bits, value bits) pair.
 
 For every layer and candidate pair, the model runs once over calibration tokens with only that
-layer quantized (through the real cache and `kvq.attention`), and two signals are recorded:
+layer quantized (through the real cache and the kvq attention ops), and two signals are recorded:
 * the relative attention-output error ||o_q - o|| / ||o|| of that layer (KVTuner's signal;
   layers before it are untouched, so its inputs are exactly the fp ones);
 * the KL divergence of the next-token distribution from the fp model's (the end-to-end cost).

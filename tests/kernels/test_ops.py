@@ -1,14 +1,19 @@
-"""The kvq ops: opcheck, and attention against a float64 reference on fresh random data."""
+"""The kvq ops: opcheck, and attention against a float64 reference on fresh random data.
+
+Decode attention (one query token) runs the native CPU kernel here (conftest loads it); chunk
+attention and the reference's own forms are checked too. tests/kernels/test_native_cpu.py
+compares the native kernel with the reference over many more formats and shapes."""
 
 import pytest
 import torch
 
 import kvq_ao.ops  # noqa: F401
-from kvq_ao.kernels import composite
+from kvq_ao.kernels import reference
+from kvq_ao.ops import reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from attention_cases import ORDER, attention_case, reference_attention
+from attention_cases import attend, attention_case, positional, reference_attention
 
 
 @pytest.mark.parametrize("tq", [1, 7])
@@ -21,48 +26,49 @@ def test_attention_matches_float64_reference(tq, bits, head_mask, kind):
              "softcap": dict(softcap=1.5)}[kind]  # fmt: skip
     for seed in range(3):
         args = attention_case(seed, tq, *bits, head_mask=head_mask, **extra)
-        out = torch.ops.kvq.attention(*args)
+        out = attend(args)
         ref = reference_attention(args)
         assert out.shape == ref.shape and out.dtype == torch.float32
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("target", composite.TARGETS)
+@pytest.mark.parametrize("target", reference.TARGETS)
 @pytest.mark.parametrize("tq", [1, 7])
-def test_every_form_of_the_composite_attention_matches_float64_reference(target, tq):
+def test_every_form_of_the_reference_attention_matches_float64_reference(target, tq):
     """The eager op runs the "eager" form; inductor and export get the other two as decompositions.
     Each is checked here directly (the compile and export tests check them in their graphs)."""
     for seed in range(2):
         for softcap in (0.0, 2.0):
             args = attention_case(seed, tq, 3, 4, codebook=True, outliers=2, pre_rope=True, head_mask=True, softcap=softcap)
-            out = composite.attention(*args, target=target)
+            out = reference.attention(**reference_arguments(args), target=target)
             torch.testing.assert_close(out.double(), reference_attention(args), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="target must be one of"):
-        composite.attention(*args, target="mps")
+        reference.attention(**reference_arguments(args), target="mps")
 
 
 def test_softcap_changes_the_result_and_is_checked():
     """The capped cases above would pass vacuously if capping did nothing at their logits."""
     plain, capped = attention_case(0, 1), attention_case(0, 1, softcap=1.5)
-    assert not torch.allclose(torch.ops.kvq.attention(*plain), torch.ops.kvq.attention(*capped), atol=1e-3)
-    bad = list(capped)
-    bad[ORDER.index("softcap")] = -1.0
-    with pytest.raises(ValueError, match="softcap must be >= 0"):
-        torch.ops.kvq.attention(*bad)
+    assert not torch.allclose(attend(plain), attend(capped), atol=1e-3)
+    for tq in (1, 3):
+        with pytest.raises(ValueError, match="softcap must be >= 0"):
+            attend(attention_case(0, tq, softcap=-1.0))
 
 
 def test_query_with_nothing_to_attend_returns_zeros():
-    args = list(attention_case(0, 1))
-    args[ORDER.index("mask")] = torch.zeros_like(args[ORDER.index("mask")])  # nothing visible
-    args[ORDER.index("side_pos")] = torch.full_like(args[ORDER.index("side_pos")], -1)  # no side entries
-    assert torch.equal(torch.ops.kvq.attention(*args), torch.zeros(2, 6, 1, 32))
+    for tq in (1, 3):
+        args = attention_case(0, tq)
+        args["mask"] = torch.zeros_like(args["mask"])  # nothing visible
+        args["side_pos"] = torch.full_like(args["side_pos"], -1)  # no side entries
+        assert torch.equal(attend(args), torch.zeros(2, 6, tq, 32))
 
 
 @pytest.mark.parametrize("tq", [1, 5])
 @pytest.mark.parametrize("extra", [{}, dict(codebook=True, outliers=1, pre_rope=True), dict(softcap=3.0)],
                          ids=["int", "kvquant", "softcap"])  # fmt: skip
 def test_opcheck_attention(tq, extra):
-    torch.library.opcheck(torch.ops.kvq.attention.default, attention_case(1, tq, **extra))
+    op = torch.ops.kvq.decode_attention.default if tq == 1 else torch.ops.kvq.chunk_attention.default
+    torch.library.opcheck(op, positional(attention_case(1, tq, **extra)))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -96,15 +102,28 @@ def test_ops_reject_bad_arguments_with_clear_errors():
         quantize(3, AXIS_TOKEN, 16, cb=nf_codebook(2))
     with pytest.raises(ValueError, match="outlier thresholds must be"):
         quantize(3, AXIS_TOKEN, 16, lo=torch.zeros(2, 64), hi=torch.zeros(2, 64), n=1)
-    args = list(attention_case(0, 1))
-    args[0] = torch.randn(2, 5, 1, 32)
-    with pytest.raises(ValueError, match="5 query heads is not a multiple of 2"):
-        torch.ops.kvq.attention(*args)
-    args = list(attention_case(0, 1))
-    args[ORDER.index("mask")] = args[ORDER.index("mask")].float()
-    with pytest.raises(ValueError, match="mask must be a 4-D bool tensor"):
-        torch.ops.kvq.attention(*args)
-    args = list(attention_case(0, 1))
-    args[ORDER.index("rope_inv_freq")] = torch.ones(5)
-    with pytest.raises(ValueError, match="rope_inv_freq must be empty or head_dim/2"):
-        torch.ops.kvq.attention(*args)
+    # Both ops, and for decode both the native kernel and the Python checks (the fake kernel
+    # compile and export trace), name the problem.
+    fake = torch._subclasses.FakeTensorMode()
+
+    def both(change, match):
+        for tq in (1, 3):
+            args = attention_case(0, tq)
+            change(args)
+            with pytest.raises(ValueError, match=match):
+                attend(args)
+            if tq == 1:
+                with fake, pytest.raises(ValueError, match=match):
+                    attend({k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+
+    both(lambda a: a.update(q=torch.randn(2, 5, a["q"].shape[2], 32)), "5 query heads is not a multiple of 2")
+    both(lambda a: a.update(mask=a["mask"].float()), "mask must be")
+    both(lambda a: a.update(rope_inv_freq=torch.ones(5)), "rope_inv_freq must be None")
+    both(lambda a: a.update(k_scale=None), "need k_scale and k_zero")
+    both(lambda a: a.update(v_out_idx=torch.zeros(2, 2, 64, 1, dtype=torch.uint8)), "v_out_val and v_out_idx come together")
+    both(lambda a: a.update(k_bits=5), "bits must be")
+    with pytest.raises(ValueError, match="takes one query token"):  # the native kernel
+        torch.ops.kvq.decode_attention(**attention_case(0, 3))
+    faked = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in attention_case(0, 3).items()}
+    with fake, pytest.raises(ValueError, match="takes one query token"):  # the checks compile and export trace
+        torch.ops.kvq.decode_attention(**faked)

@@ -1,0 +1,118 @@
+"""Native CPU kernels of the kvq ops, built from C++ on first use.
+
+`decode_attention.cpp` implements `kvq::decode_attention` for the CPU dispatch key: one query
+token attending straight from the packed cache, vectorized and parallel over token chunks with a
+split-softmax merge. `load()` compiles it with torch's C++ extension tools (g++ and ninja,
+`-O3 -march=native`, OpenMP as ATen uses it) into the user cache, keyed by the sources, torch's
+version, the compiler flags and this CPU, so it is built once per machine (~30-60 s) and loaded
+in milliseconds afterwards. Once loaded, every CPU call of the op (eager, and compiled graphs,
+which then call the op instead of fusing the reference) runs it.
+
+Without a working compiler, `load()` warns once and the reference kernels serve CPU as well
+(correct, several times slower at long contexts). `KVQ_AO_NATIVE=0` turns the native kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = ("decode_attention.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+_state: dict = {"loaded": False, "failed": None}
+
+
+def enabled() -> bool:
+    """False when the user turned the native kernels off with KVQ_AO_NATIVE=0."""
+    return os.environ.get("KVQ_AO_NATIVE", "1") not in ("0", "false", "no", "off")
+
+
+def is_loaded() -> bool:
+    """Whether the native CPU kernels are registered in this process."""
+    return _state["loaded"]
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (-march=native code runs only where they match)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """What the built library depends on: its sources, torch, the flags and the CPU."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    digest.update(" ".join((torch.__version__, *CFLAGS, _cpu_identity())).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    from kvq_ao.models import cache_dir
+
+    return cache_dir() / "kernels" / f"cpu-{build_key()}"
+
+
+def load(build: bool = True, verbose: bool = False) -> bool:
+    """Register the native CPU kernels; returns whether they are in use.
+
+    Loads the library built earlier on this machine, or (with `build`) compiles it first. A
+    failed build warns once, naming the cause, and leaves the reference kernels in place.
+    """
+    if _state["loaded"]:
+        return True
+    if not enabled() or _state["failed"] is not None:
+        return False
+    import kvq_ao.ops  # noqa: F401  (defines the ops this library implements)
+
+    directory = build_directory()
+    built = sorted(directory.glob("kvq_cpu*.so")) if directory.exists() else []
+    try:
+        if built:
+            torch.ops.load_library(str(built[0]))
+        elif build:
+            _compile(directory, verbose)
+        else:
+            return False
+    except Exception as error:  # a compiler missing or failing must not stop inference
+        _state["failed"] = error
+        warnings.warn(
+            f"kvq_ao: could not build the native CPU kernels ({type(error).__name__}: {str(error).strip()[:400]}); "
+            "decode attention runs the reference kernels instead, several times slower at long contexts. "
+            "Install g++ and ninja (and Python headers) to get them, or set KVQ_AO_NATIVE=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    _state["loaded"] = True
+    return True
+
+
+def _compile(directory: Path, verbose: bool) -> None:
+    import sys
+
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"kvq_ao: building the native CPU kernels once for this machine into {directory} ...", file=sys.stderr, flush=True)
+    cpp_extension.load(
+        name="kvq_cpu",
+        sources=[str(Path(__file__).parent / name) for name in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+__all__ = ["build_directory", "build_key", "enabled", "is_loaded", "load", "SOURCES"]

@@ -1,0 +1,612 @@
+// Native CPU kernel of kvq::decode_attention: one query token attending over one layer's
+// quantized cache, straight from the packed codes (no float [T, D] copy of the cache).
+//
+// What it computes is defined by the reference (kernels/reference.py, `attention` with one
+// query token); the argument list is the schema in kvq_ao/ops.py (ATTENTION_SCHEMA), which this
+// file implements for the CPU dispatch key.
+//
+// How (flash-decoding on CPU):
+// * the body's readable positions [body_start, body_end) are cut into tiles of kTile tokens and
+//   the tiles into chunks, one task per chunk (at::parallel_for over ATen's thread pool); the side
+//   store (sink and recent window, full precision) is one more task;
+// * per tile and per (batch, kv head): skip it if the mask hides it from every query head of the
+//   group, else unpack its keys into a float tile in L1 (codes -> levels -> scale/zero, outliers,
+//   RoPE at their positions for pre-RoPE keys), score all query heads of the group against it
+//   (GQA inside the kernel: the tile is unpacked once per kv head), update each head's running
+//   max / sum / weighted sum (online softmax), unpack the values tile and accumulate;
+// * the tasks' partial results are merged with their log-sum-exp (split softmax).
+// Arithmetic is float32 throughout; GCC/Clang vector extensions give explicit 8-wide SIMD that
+// compiles to AVX2/AVX-512 or NEON (-march=native at build time), with scalar tails for any
+// head_dim.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace kvq_cpu {
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+constexpr int kTile = 32;            // tokens unpacked at once (a 32 x 256 float tile is 32 KiB)
+constexpr int kMaxHeadDim = 256;     // per-tile buffers are sized for this
+constexpr int kEmptySlot = 255;      // outlier slot that holds nothing (kvq_ao.quant.outliers)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes
+#if defined(__AVX2__)
+  return reinterpret_cast<v8i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return v8i{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+#endif
+}
+inline float hsum(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+// exp(x) for x <= 0 (scores minus their running max), 8 lanes: 2^n * P(r), |rel err| < 2e-7.
+inline v8f exp8(v8f x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8f n = (x * splat(1.44269504f) + magic) - magic;
+  v8f r = x - n * splat(0.693145751953125f) - n * splat(1.428606765330187e-06f);
+  v8f p = splat(1.0f / 720);
+  p = p * r + splat(1.0f / 120);
+  p = p * r + splat(1.0f / 24);
+  p = p * r + splat(1.0f / 6);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+// sin and cos of the float32 angle `a` as torch computes it (reduced in double: exact enough
+// for angles up to millions of radians), to ~1e-9.
+inline void sincos1(float a, float* s, float* c) {
+  const double x = a;
+  const double k = std::nearbyint(x * 0.63661977236758134);
+  const double r = (x - k * 1.5707963267948966) - k * 6.123233995736766e-17;
+  const double r2 = r * r;
+  const double sn = r * (1 + r2 * (-1.0 / 6 + r2 * (1.0 / 120 + r2 * (-1.0 / 5040 + r2 * (1.0 / 362880)))));
+  const double cs = 1 + r2 * (-0.5 + r2 * (1.0 / 24 + r2 * (-1.0 / 720 + r2 * (1.0 / 40320 - r2 / 3628800))));
+  const int quadrant = static_cast<int>(static_cast<int64_t>(k) & 3);
+  const double sv[4] = {sn, cs, -sn, -cs};
+  const double cv[4] = {cs, -sn, -cs, sn};
+  *s = static_cast<float>(sv[quadrant]);
+  *c = static_cast<float>(cv[quadrant]);
+}
+
+// Reads `n` elements of a float tensor of any supported dtype as float32.
+inline void load_floats(const void* src, at::ScalarType type, int64_t n, float* out) {
+  switch (type) {
+    case at::kFloat: std::memcpy(out, src, n * sizeof(float)); break;
+    case at::kHalf: {
+      auto* p = static_cast<const c10::Half*>(src);
+      int64_t i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+      for (; i < n; ++i) out[i] = p[i];
+      break;
+    }
+    case at::kBFloat16: { auto* p = static_cast<const c10::BFloat16*>(src); for (int64_t i = 0; i < n; ++i) out[i] = p[i]; break; }
+    case at::kDouble: { auto* p = static_cast<const double*>(src); for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]); break; }
+    default: TORCH_CHECK_VALUE(false, "kvq.decode_attention: unsupported float dtype ", type);
+  }
+}
+
+inline const char* at_elem(const at::Tensor& t, int64_t offset) {
+  return static_cast<const char*>(t.data_ptr()) + offset * t.element_size();
+}
+
+// Per-thread buffers of one operand: its scale/zero row as floats, kept while tokens share it.
+struct Scratch {
+  float scale[kMaxHeadDim], zero[kMaxHeadDim];
+  float tile_scale[kTile * kMaxHeadDim], tile_zero[kTile * kMaxHeadDim];
+  int64_t meta_row = -1;
+};
+
+// One of K or V, as the kernel reads it.
+struct Operand {
+  int bits = 0, axis = 0, group = 1, dim = 0;  // bits 0: float body
+  int64_t row_bytes = 0;                         // packed bytes (or float elements) per token
+  at::Tensor codes, scale, zero, out_val, out_idx;  // kept alive; read through the pointers below
+  const char* codes_p = nullptr;
+  const char* scale_p = nullptr;
+  const char* zero_p = nullptr;
+  const char* out_val_p = nullptr;
+  const uint8_t* out_idx_p = nullptr;
+  at::ScalarType codes_t = at::kByte, scale_t = at::kHalf, zero_t = at::kHalf, out_val_t = at::kFloat;
+  int codes_size = 1, scale_size = 2, zero_size = 2, out_val_size = 4;
+  int n_out = 0;
+  float levels[16] = {};                          // codebook levels (or the integer grid)
+  bool codebook = false;
+
+  // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kMaxHeadDim.
+  void tile(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
+    switch (bits) {
+      case 2: tile_of<2>(bh, T, t0, count, out, tmp); break;
+      case 3: tile_of<3>(bh, T, t0, count, out, tmp); break;
+      case 4: tile_of<4>(bh, T, t0, count, out, tmp); break;
+      case 8: tile_of<8>(bh, T, t0, count, out, tmp); break;
+      default:
+        for (int i = 0; i < count; ++i)
+          load_floats(codes_p + (bh * T + t0 + i) * dim * codes_size, codes_t, dim, out + i * kMaxHeadDim);
+    }
+    if (n_out) {  // exact outliers replace their channel's dense value
+      float vals[kMaxHeadDim];
+      for (int i = 0; i < count; ++i) {
+        const int64_t token = bh * T + t0 + i;
+        load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
+        const uint8_t* idx = out_idx_p + token * n_out;
+        float* row = out + i * kMaxHeadDim;
+        for (int j = 0; j < n_out; ++j)
+          if (idx[j] < dim) row[idx[j]] = vals[j];
+      }
+    }
+  }
+
+  template <int BITS>
+  void tile_of(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
+    for (int i = 0; i < count; ++i) unpack<BITS>(src + i * row_bytes, out + i * kMaxHeadDim);
+    if (codebook)
+      for (int i = 0; i < count; ++i) lookup(out + i * kMaxHeadDim);
+    if (axis == 1) {  // per-channel groups of `group` tokens: scale/zero rows [T/group, dim]
+      for (int i = 0; i < count; ++i) {
+        const int64_t meta_row = bh * (T / group) + (t0 + i) / group;
+        if (meta_row != tmp.meta_row) {
+          load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
+          load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
+          tmp.meta_row = meta_row;
+        }
+        float* row = out + i * kMaxHeadDim;
+        int c = 0;
+        for (; c + 8 <= dim; c += 8) store8(row + c, load8(row + c) * load8(tmp.scale + c) + load8(tmp.zero + c));
+        for (; c < dim; ++c) row[c] = row[c] * tmp.scale[c] + tmp.zero[c];
+      }
+    } else {  // per-token groups of `group` channels: scale/zero [T, dim/group], one read per tile
+      const int groups = dim / group;
+      const int64_t meta = (bh * T + t0) * groups;
+      load_floats(scale_p + meta * scale_size, scale_t, int64_t{count} * groups, tmp.tile_scale);
+      load_floats(zero_p + meta * zero_size, zero_t, int64_t{count} * groups, tmp.tile_zero);
+      for (int i = 0; i < count; ++i) {
+        float* row = out + i * kMaxHeadDim;
+        for (int g = 0; g < groups; ++g) {
+          const float sc = tmp.tile_scale[i * groups + g], z = tmp.tile_zero[i * groups + g];
+          float* o = row + g * group;
+          int c = 0;
+          for (; c + 8 <= group; c += 8) store8(o + c, load8(o + c) * splat(sc) + splat(z));
+          for (; c < group; ++c) o[c] = o[c] * sc + z;
+        }
+      }
+    }
+  }
+
+  // Codes (as floats) -> codebook levels.
+  void lookup(float* row) const {
+    int c = 0;
+#if defined(__AVX2__)
+    const __m256 lo = _mm256_loadu_ps(levels), hi = _mm256_loadu_ps(levels + 8);
+    for (; c + 8 <= dim; c += 8) {
+      const __m256i code = _mm256_cvttps_epi32(_mm256_loadu_ps(row + c));
+      const __m256 below = _mm256_permutevar8x32_ps(lo, code), above = _mm256_permutevar8x32_ps(hi, code);
+      const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, _mm256_set1_epi32(7)));
+      _mm256_storeu_ps(row + c, _mm256_blendv_ps(below, above, upper));
+    }
+#endif
+    for (; c < dim; ++c) row[c] = levels[static_cast<int>(row[c])];
+  }
+
+  // Planar packing (kvq_ao/quant/packing.py): a row of `dim` codes is `planes` planes of P codes;
+  // word j holds code j of every plane. Codes come out as floats in channel order.
+  template <int BITS>
+  void unpack(const uint8_t* src, float* out) const {
+    if constexpr (BITS == 8) {
+      int c = 0;
+      for (; c + 8 <= dim; c += 8) store8(out + c, __builtin_convertvector(bytes8(src + c), v8f));
+      for (; c < dim; ++c) out[c] = src[c];
+    } else {
+      constexpr int planes = BITS == 3 ? 8 : 8 / BITS;
+      constexpr int mask = (1 << BITS) - 1;
+      const int P = dim / planes;
+      int j = 0;
+      for (; j + 8 <= P; j += 8) {
+        v8i word = bytes8(src + j);
+        if constexpr (BITS == 3) word = word | (bytes8(src + P + j) << 8) | (bytes8(src + 2 * P + j) << 16);
+        for (int i = 0; i < planes; ++i)
+          store8(out + i * P + j, __builtin_convertvector((word >> (i * BITS)) & mask, v8f));
+      }
+      for (; j < P; ++j) {
+        int32_t word = src[j];
+        if constexpr (BITS == 3) word |= (src[P + j] << 8) | (src[2 * P + j] << 16);
+        for (int i = 0; i < planes; ++i) out[i * P + j] = static_cast<float>((word >> (i * BITS)) & mask);
+      }
+    }
+  }
+};
+
+Operand make_operand(const char* name, const at::Tensor& codes, const std::optional<at::Tensor>& scale,
+                     const std::optional<at::Tensor>& zero, const std::optional<at::Tensor>& codebook,
+                     const std::optional<at::Tensor>& out_val, const std::optional<at::Tensor>& out_idx,
+                     int64_t bits, int64_t axis, int64_t group, int64_t dim, int64_t B, int64_t H, int64_t T) {
+  Operand o;
+  o.bits = static_cast<int>(bits);
+  o.axis = static_cast<int>(axis);
+  o.group = static_cast<int>(group);
+  o.dim = static_cast<int>(dim);
+  TORCH_CHECK_VALUE(bits == 0 || bits == 2 || bits == 3 || bits == 4 || bits == 8, "kvq.decode_attention: ", name, " bits must be 0, 2, 3, 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(axis == 0 || axis == 1, "kvq.decode_attention: ", name, " axis must be 0 (token) or 1 (channel), got ", axis);
+  TORCH_CHECK_VALUE(group > 0, "kvq.decode_attention: ", name, " group must be positive, got ", group);
+  TORCH_CHECK_VALUE(dim > 0 && dim <= kMaxHeadDim, "kvq.decode_attention: head_dim must be in [1, ", kMaxHeadDim, "], got ", dim);
+  o.codes = codes.contiguous();
+  TORCH_CHECK_VALUE(codes.dim() == 4 && codes.size(0) == B && codes.size(1) == H && codes.size(2) == T,
+              "kvq.decode_attention: ", name, "_codes must be [", B, ", ", H, ", ", T, ", bytes], got ", codes.sizes());
+  if (bits == 0) {
+    TORCH_CHECK_VALUE(codes.is_floating_point() && codes.size(3) == dim, "kvq.decode_attention: a float ", name,
+                " body must be floating point [batch, heads, tokens, ", dim, "], got ", codes.sizes(), " ", codes.scalar_type());
+    o.row_bytes = dim;
+  } else {
+    const int planes = bits == 3 ? 8 : 8 / static_cast<int>(bits);
+    const int bytes_per_word = bits == 3 ? 3 : 1;
+    TORCH_CHECK_VALUE(dim % planes == 0, "kvq.decode_attention: ", bits, "-bit ", name, " codes need head_dim a multiple of ", planes, ", got ", dim);
+    o.row_bytes = dim / planes * bytes_per_word;
+    TORCH_CHECK_VALUE(codes.scalar_type() == at::kByte && codes.size(3) == o.row_bytes, "kvq.decode_attention: ", bits, "-bit ",
+                name, "_codes must be uint8 [..., ", o.row_bytes, "], got ", codes.scalar_type(), " ", codes.sizes());
+    TORCH_CHECK_VALUE(scale.has_value() && zero.has_value(), "kvq.decode_attention: ", bits, "-bit ", name, " codes need ", name, "_scale and ", name, "_zero");
+    o.scale = scale->contiguous();
+    o.zero = zero->contiguous();
+    std::vector<int64_t> meta = axis == 1 ? std::vector<int64_t>{B, H, T / group, dim} : std::vector<int64_t>{B, H, T, dim / group};
+    TORCH_CHECK_VALUE(axis == 1 ? T % group == 0 : dim % group == 0, "kvq.decode_attention: ", name, " group ", group,
+                axis == 1 ? " does not divide the cache length " : " does not divide head_dim ", axis == 1 ? T : dim);
+    TORCH_CHECK_VALUE(o.scale.sizes() == at::IntArrayRef(meta) && o.zero.sizes() == at::IntArrayRef(meta),
+                "kvq.decode_attention: ", name, "_scale and ", name, "_zero must be ", at::IntArrayRef(meta), ", got ", o.scale.sizes(), " and ", o.zero.sizes());
+    if (codebook.has_value()) {
+      TORCH_CHECK_VALUE(bits <= 4 && codebook->dim() == 1 && codebook->numel() == (1 << bits),
+                  "kvq.decode_attention: a ", bits, "-bit ", name, " codebook must hold ", (1 << bits), " levels, got ", codebook->sizes());
+      at::Tensor cb = codebook->to(at::kFloat).contiguous();
+      std::memcpy(o.levels, cb.data_ptr<float>(), sizeof(float) * (1 << bits));
+      o.codebook = true;
+    }
+  }
+  TORCH_CHECK_VALUE(out_val.has_value() == out_idx.has_value(), "kvq.decode_attention: ", name, "_out_val and ", name, "_out_idx come together");
+  if (out_val.has_value()) {
+    o.out_val = out_val->contiguous();
+    o.out_idx = out_idx->contiguous();
+    TORCH_CHECK_VALUE(o.out_idx.scalar_type() == at::kByte && o.out_val.dim() == 4 && o.out_val.sizes() == o.out_idx.sizes() &&
+                    o.out_val.size(0) == B && o.out_val.size(1) == H && o.out_val.size(2) == T && o.out_val.size(3) <= dim,
+                "kvq.decode_attention: ", name, " outliers must be [", B, ", ", H, ", ", T, ", k] values and uint8 indices, got ",
+                o.out_val.sizes(), " and ", o.out_idx.sizes(), " ", o.out_idx.scalar_type());
+    o.n_out = static_cast<int>(o.out_val.size(3));
+    o.out_val_p = static_cast<const char*>(o.out_val.data_ptr());
+    o.out_val_t = o.out_val.scalar_type();
+    o.out_val_size = static_cast<int>(o.out_val.element_size());
+    o.out_idx_p = o.out_idx.data_ptr<uint8_t>();
+  }
+  o.codes_p = static_cast<const char*>(o.codes.data_ptr());
+  o.codes_t = o.codes.scalar_type();
+  o.codes_size = static_cast<int>(o.codes.element_size());
+  if (bits != 0) {
+    o.scale_p = static_cast<const char*>(o.scale.data_ptr());
+    o.zero_p = static_cast<const char*>(o.zero.data_ptr());
+    o.scale_t = o.scale.scalar_type();
+    o.zero_t = o.zero.scalar_type();
+    o.scale_size = static_cast<int>(o.scale.element_size());
+    o.zero_size = static_cast<int>(o.zero.element_size());
+  }
+  return o;
+}
+
+// RoPE of a key row at its position, as kvq_ao.quant.rope.rotate: channel pairs (i, i + D/2).
+inline void rotate_row(float* x, const float* cos, const float* sin, int dim, float scale) {
+  const int half = dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const float c = cos[i] * scale, s = sin[i] * scale, a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = b * c + a * s;
+  }
+}
+
+inline void angles(int64_t pos, const float* inv_freq, int half, float* cos, float* sin) {
+  const float p = static_cast<float>(pos);
+  for (int i = 0; i < half; ++i) sincos1(p * inv_freq[i], sin + i, cos + i);
+}
+
+// Running softmax state of one query head over one task's tokens.
+struct Partial {
+  float* acc;  // [dv] sum of p * v
+  float max;   // running max of the scores (-inf: nothing seen)
+  float sum;   // sum of p
+};
+
+inline float dot(const float* a, const float* b, int dim) {
+  int c = 0;
+  v8f a0 = splat(0.f), a1 = splat(0.f);
+  for (; c + 16 <= dim; c += 16) {
+    a0 += load8(a + c) * load8(b + c);
+    a1 += load8(a + c + 8) * load8(b + c + 8);
+  }
+  for (; c + 8 <= dim; c += 8) a0 += load8(a + c) * load8(b + c);
+  float s = hsum(a0 + a1);
+  for (; c < dim; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// acc[0:dv] = acc * correction + sum_j probs[j] * values[j] (rows kMaxHeadDim apart). Channels go
+// in blocks of 32 (four independent accumulators in registers) so the FMAs over tokens do not wait
+// on each other.
+inline void accumulate(float* acc, float correction, const float* probs, const float* values, int count, int dv) {
+  int c = 0;
+  for (; c + 32 <= dv; c += 32) {
+    v8f a0 = load8(acc + c) * splat(correction), a1 = load8(acc + c + 8) * splat(correction);
+    v8f a2 = load8(acc + c + 16) * splat(correction), a3 = load8(acc + c + 24) * splat(correction);
+    for (int j = 0; j < count; ++j) {
+      const v8f p = splat(probs[j]);
+      const float* v = values + j * kMaxHeadDim + c;
+      a0 += p * load8(v);
+      a1 += p * load8(v + 8);
+      a2 += p * load8(v + 16);
+      a3 += p * load8(v + 24);
+    }
+    store8(acc + c, a0);
+    store8(acc + c + 8, a1);
+    store8(acc + c + 16, a2);
+    store8(acc + c + 24, a3);
+  }
+  for (; c + 8 <= dv; c += 8) {
+    v8f a = load8(acc + c) * splat(correction);
+    for (int j = 0; j < count; ++j) a += splat(probs[j]) * load8(values + j * kMaxHeadDim + c);
+    store8(acc + c, a);
+  }
+  for (; c < dv; ++c) {
+    float a = acc[c] * correction;
+    for (int j = 0; j < count; ++j) a += probs[j] * values[j * kMaxHeadDim + c];
+    acc[c] = a;
+  }
+}
+
+// One tile of up to kTile float keys (rows kMaxHeadDim apart): scores of every query head of the
+// group, online softmax, then the values (unpacked only if some head sees the tile) accumulated.
+// `visible[h * kTile + i]` says whether query head h may read token i.
+inline void attend_tile(const float* q, int n_heads, int dim, int dv, int count, const float* keys, const float* values_or_null,
+                        const Operand* value_op, int64_t v_bh, int64_t T, int64_t first, float* vtile, Scratch* tmp,
+                        const uint8_t* visible, float scaling, float softcap, Partial* parts) {
+  alignas(32) float scores[64 * kTile];
+  alignas(32) float probs[kTile];
+  float best_of[64];
+  bool any = false;
+  for (int h = 0; h < n_heads; ++h) {
+    const float* qh = q + h * dim;
+    float* sh = scores + h * kTile;
+    float best = kNegInf;
+    for (int i = 0; i < count; ++i) {
+      float s = dot(qh, keys + i * kMaxHeadDim, dim) * scaling;
+      if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
+      s = visible[h * kTile + i] ? s : kNegInf;
+      sh[i] = s;
+      best = std::max(best, s);
+    }
+    best_of[h] = best;
+    any = any || best > kNegInf;
+  }
+  if (!any) return;
+  const float* values = values_or_null;
+  if (values == nullptr) {
+    value_op->tile(v_bh, T, first, count, vtile, *tmp);
+    values = vtile;
+  }
+  for (int h = 0; h < n_heads; ++h) {
+    const float best = best_of[h];
+    if (best == kNegInf) continue;
+    const float* sh = scores + h * kTile;
+    Partial& part = parts[h];
+    const float new_max = std::max(part.max, best);
+    const float correction = part.max == kNegInf ? 0.f : std::exp(part.max - new_max);
+    int i = 0;
+    for (; i + 8 <= count; i += 8) {
+      v8f s = load8(sh + i);
+      v8f e = exp8(s - splat(new_max));
+      store8(probs + i, s == splat(kNegInf) ? splat(0.f) : e);
+    }
+    for (; i < count; ++i) probs[i] = sh[i] == kNegInf ? 0.f : std::exp(sh[i] - new_max);
+    float tile_sum = 0.f;
+    for (int j = 0; j < count; ++j) tile_sum += probs[j];
+    part.sum = part.sum * correction + tile_sum;
+    part.max = new_max;
+    accumulate(part.acc, correction, probs, values, count, dv);
+  }
+}
+
+at::Tensor decode_attention(
+    const at::Tensor& q,
+    const at::Tensor& k_codes, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,
+    const std::optional<at::Tensor>& k_codebook, const std::optional<at::Tensor>& k_out_val, const std::optional<at::Tensor>& k_out_idx,
+    const at::Tensor& v_codes, const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_zero,
+    const std::optional<at::Tensor>& v_codebook, const std::optional<at::Tensor>& v_out_val, const std::optional<at::Tensor>& v_out_idx,
+    const at::Tensor& side_k, const at::Tensor& side_v, const at::Tensor& side_pos, const at::Tensor& body_end,
+    const at::Tensor& mask, const std::optional<at::Tensor>& rope_inv_freq,
+    int64_t body_start, double scaling, double rope_scale,
+    int64_t k_bits, int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis, int64_t v_group, double softcap) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.size(2) == 1, "kvq.decode_attention takes one query token q [batch, heads, 1, head_dim], got ", q.sizes());
+  TORCH_CHECK_VALUE(q.is_floating_point(), "kvq.decode_attention: q must be floating point, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(softcap >= 0.0, "kvq.decode_attention: softcap must be >= 0 (0 = no soft-capping), got ", softcap);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3);
+  TORCH_CHECK_VALUE(k_codes.dim() == 4 && v_codes.dim() == 4, "kvq.decode_attention: the cache must be 4-D [batch, heads, tokens, bytes]");
+  const int64_t Hkv = k_codes.size(1), T = k_codes.size(2);
+  TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "kvq.decode_attention: ", Hq, " query heads is not a multiple of ", Hkv, " key/value heads");
+  const int64_t n_heads = Hq / Hkv;
+  TORCH_CHECK_VALUE(n_heads <= 64, "kvq.decode_attention: at most 64 query heads per kv head, got ", n_heads);
+  TORCH_CHECK_VALUE(side_k.dim() == 4 && side_v.dim() == 4 && side_k.size(0) == B && side_k.size(1) == Hkv && side_k.size(3) == D &&
+                  side_v.size(0) == B && side_v.size(1) == Hkv && side_v.size(2) == side_k.size(2),
+              "kvq.decode_attention: side_k [", B, ", ", Hkv, ", S, ", D, "] and side_v [", B, ", ", Hkv, ", S, Dv] expected, got ",
+              side_k.sizes(), " and ", side_v.sizes());
+  const int64_t Dv = side_v.size(3), S = side_k.size(2);
+  Operand K = make_operand("k", k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, k_bits, k_axis, k_group, D, B, Hkv, T);
+  Operand V = make_operand("v", v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, v_bits, v_axis, v_group, Dv, B, Hkv, T);
+  TORCH_CHECK_VALUE(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == B && (mask.size(1) == 1 || mask.size(1) == Hq) &&
+                  mask.size(2) == 1 && mask.size(3) == T,
+              "kvq.decode_attention: mask must be bool [", B, ", 1 or ", Hq, ", 1, ", T, "], got ", mask.scalar_type(), " ", mask.sizes());
+  TORCH_CHECK_VALUE(side_pos.scalar_type() == at::kLong && side_pos.dim() == 1 && side_pos.size(0) == S,
+              "kvq.decode_attention: side_pos must be int64 [", S, "], got ", side_pos.scalar_type(), " ", side_pos.sizes());
+  TORCH_CHECK_VALUE(body_end.numel() == 1 && body_end.scalar_type() == at::kLong, "kvq.decode_attention: body_end must be a 0-dim int64 tensor");
+  const bool pre_rope = rope_inv_freq.has_value();
+  std::vector<float> inv_freq;
+  if (pre_rope) {
+    TORCH_CHECK_VALUE(rope_inv_freq->dim() == 1 && rope_inv_freq->numel() == D / 2 && D % 2 == 0,
+                "kvq.decode_attention: rope_inv_freq must be None or head_dim/2 = ", D / 2, " long, got ", rope_inv_freq->sizes());
+    at::Tensor f = rope_inv_freq->to(at::kFloat).contiguous();
+    inv_freq.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  }
+  const at::Tensor positions = side_pos.contiguous();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK_VALUE(pos[s] < T, "kvq.decode_attention: side entry ", s, " is at position ", pos[s], " beyond the cache's ", T, " positions");
+  const int64_t lo = std::clamp<int64_t>(body_start, 0, T);
+  const int64_t hi = std::clamp<int64_t>(body_end.item<int64_t>(), lo, T);
+
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor sk = side_k.contiguous(), sv = side_v.contiguous();
+  const bool* mask_data = mask.data_ptr<bool>();
+  const float* q_data = qf.data_ptr<float>();
+  const int64_t m_b = mask.stride(0), m_h = mask.size(1) == 1 ? 0 : mask.stride(1), m_t = mask.stride(3);
+
+  const int64_t n_tiles = (hi - lo + kTile - 1) / kTile;
+  const int64_t n_chunks = std::min<int64_t>(n_tiles, std::max<int64_t>(1, 4 * at::get_num_threads()));
+  const int64_t tasks = n_chunks + 1;  // + the side store
+  const int64_t rows = B * Hq;
+  std::vector<float> acc(tasks * rows * Dv, 0.f), maxes(tasks * rows, kNegInf), sums(tasks * rows, 0.f);
+  const float scale_f = static_cast<float>(scaling), softcap_f = static_cast<float>(softcap), rope_f = static_cast<float>(rope_scale);
+  const int half = static_cast<int>(D / 2);
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> ktile(kTile * kMaxHeadDim), vtile(kTile * kMaxHeadDim);
+    auto k_tmp = std::make_unique<Scratch>(), v_tmp = std::make_unique<Scratch>();
+    std::vector<float> cos_t(kTile * kMaxHeadDim / 2), sin_t(kTile * kMaxHeadDim / 2);
+    std::vector<uint8_t> visible(n_heads * kTile);
+    std::vector<Partial> parts(n_heads);
+    for (int64_t task = begin; task < end; ++task) {
+      const bool side = task == n_chunks;
+      int64_t t_begin = 0, t_end = 0;
+      if (!side) {
+        t_begin = lo + task * n_tiles / n_chunks * kTile;
+        t_end = std::min(hi, lo + (task + 1) * n_tiles / n_chunks * kTile);
+      }
+      auto state = [&](int64_t b, int64_t hkv) {
+        for (int64_t h = 0; h < n_heads; ++h) {
+          const int64_t row = task * rows + b * Hq + hkv * n_heads + h;
+          parts[h] = Partial{acc.data() + row * Dv, maxes[row], sums[row]};
+        }
+      };
+      auto save = [&](int64_t b, int64_t hkv) {
+        for (int64_t h = 0; h < n_heads; ++h) {
+          const int64_t row = task * rows + b * Hq + hkv * n_heads + h;
+          maxes[row] = parts[h].max;
+          sums[row] = parts[h].sum;
+        }
+      };
+      if (side) {
+        // The side store: full-precision entries outside [body_start, body_end), one at a time.
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+            state(b, hkv);
+            for (int64_t s = 0; s < S; ++s) {
+              const int64_t p = pos[s];
+              if (p < 0 || (p >= body_start && p < hi)) continue;
+              bool seen = false;
+              for (int64_t h = 0; h < n_heads; ++h) {
+                visible[h * kTile] = mask_data[b * m_b + (hkv * n_heads + h) * m_h + p * m_t];
+                seen = seen || visible[h * kTile];
+              }
+              if (!seen) continue;
+              const int64_t bh = b * Hkv + hkv;
+              load_floats(at_elem(sk, (bh * S + s) * D), sk.scalar_type(), D, ktile.data());
+              load_floats(at_elem(sv, (bh * S + s) * Dv), sv.scalar_type(), Dv, vtile.data());
+              if (pre_rope) {
+                angles(p, inv_freq.data(), half, cos_t.data(), sin_t.data());
+                rotate_row(ktile.data(), cos_t.data(), sin_t.data(), static_cast<int>(D), rope_f);
+              }
+              attend_tile(q_data + (b * Hq + hkv * n_heads) * D, static_cast<int>(n_heads), static_cast<int>(D),
+                          static_cast<int>(Dv), 1, ktile.data(), vtile.data(), nullptr, 0, 0, 0, nullptr, nullptr,
+                          visible.data(), scale_f, softcap_f, parts.data());
+            }
+            save(b, hkv);
+          }
+        continue;
+      }
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+        const int count = static_cast<int>(std::min<int64_t>(kTile, t_end - t0));
+        if (pre_rope)  // one table of cos/sin per tile, shared by every batch row and kv head
+          for (int i = 0; i < count; ++i) angles(t0 + i, inv_freq.data(), half, cos_t.data() + i * half, sin_t.data() + i * half);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+            bool seen = false;
+            for (int64_t h = 0; h < n_heads; ++h) {
+              const bool* m = mask_data + b * m_b + (hkv * n_heads + h) * m_h;
+              for (int i = 0; i < count; ++i) {
+                visible[h * kTile + i] = m[(t0 + i) * m_t];
+                seen = seen || visible[h * kTile + i];
+              }
+            }
+            if (!seen) continue;
+            const int64_t bh = b * Hkv + hkv;
+            K.tile(bh, T, t0, count, ktile.data(), *k_tmp);
+            if (pre_rope)
+              for (int i = 0; i < count; ++i)
+                rotate_row(ktile.data() + i * kMaxHeadDim, cos_t.data() + i * half, sin_t.data() + i * half, static_cast<int>(D), rope_f);
+            state(b, hkv);
+            attend_tile(q_data + (b * Hq + hkv * n_heads) * D, static_cast<int>(n_heads), static_cast<int>(D),
+                        static_cast<int>(Dv), count, ktile.data(), nullptr, &V, bh, T, t0, vtile.data(), v_tmp.get(),
+                        visible.data(), scale_f, softcap_f, parts.data());
+            save(b, hkv);
+          }
+      }
+    }
+  });
+
+  // Merge the tasks' partial softmaxes (log-sum-exp); rows that saw nothing stay zero.
+  at::Tensor out = at::zeros({B, Hq, 1, Dv}, q.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (int64_t row = 0; row < rows; ++row) {
+    float best = kNegInf;
+    for (int64_t t = 0; t < tasks; ++t) best = std::max(best, maxes[t * rows + row]);
+    if (best == kNegInf) continue;
+    float total = 0.f;
+    for (int64_t t = 0; t < tasks; ++t) {
+      const float m = maxes[t * rows + row];
+      if (m == kNegInf) continue;
+      const float w = std::exp(m - best);
+      total += w * sums[t * rows + row];
+      const float* a = acc.data() + (t * rows + row) * Dv;
+      for (int64_t c = 0; c < Dv; ++c) o[row * Dv + c] += w * a[c];
+    }
+    for (int64_t c = 0; c < Dv; ++c) o[row * Dv + c] /= total;
+  }
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvq, CPU, m) { m.impl("decode_attention", &decode_attention); }
+
+}  // namespace kvq_cpu
