@@ -6,15 +6,20 @@ and values; the layer's real calibration for kvquant presets), so it holds exact
 generating model would hold at that length. Variants:
 
 * `sdpa-fp32`: `scaled_dot_product_attention` over the float cache (GQA), what an fp cache costs;
-* `kvq-eager`: `torch.ops.kvq.attention` as eager PyTorch runs it;
-* `kvq-compiled`: the same op under `torch.compile` (the fused decomposition generation uses).
+* `native`: `torch.ops.kvq.decode_attention` with the native CPU kernel (what eager generation runs);
+* `compiled`: the same op under `torch.compile` (the graph calls the native kernel);
+* `reference`: the reference kernel (kernels/reference.py) run eagerly, what CPU ran before the
+  native kernel and what any device without one runs.
+* `--profile` adds, per quantized format, the native kernel with one feature at a time taken away
+  (codebook -> uniform levels, no outliers, post-RoPE keys): same bytes, so the differences say
+  where the time goes.
 
 Each row: median ms over `--repeats` calls after a warm-up, the bytes the cache holds (what a
 kernel must read: codes, scales, outliers, the full-precision side store), and the time those
 bytes take at the memory bandwidth measured in the same run (a large `copy_`), i.e. the floor a
 bandwidth-bound kernel would reach. Rows in results/attention.json.
 
-    python benchmarks/attention.py --lengths 4096,32768,131072 --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct
+    python benchmarks/attention.py --lengths 4096,32768,131072,524288 --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct --profile
 """
 
 from __future__ import annotations
@@ -68,21 +73,30 @@ def filled_layer(model, preset: str, n: int):
     return layer
 
 
-def op_args(layer, q: torch.Tensor) -> tuple:
+def op_args(layer, q: torch.Tensor) -> dict:
+    """The decode attention op's named arguments for q over the filled layer."""
+    from kvq_ao.tensor import attention_arguments
+
     keys, values = layer.keys_values()
     mask = torch.ones(1, 1, 1, keys.shape[2], dtype=torch.bool)
     mask[..., int(layer.cumulative_length) :] = False
-    return (q, keys.codes, keys.scale, keys.zero, keys.codebook, keys.out_val, keys.out_idx,
-            values.codes, values.scale, values.zero, values.codebook, values.out_val, values.out_idx,
-            keys.side, values.side, keys.side_pos, keys.body_end, mask, keys.rope_inv_freq, keys.body_start,
-            D**-0.5, float(keys.rope_scale), keys.bits, keys.axis, keys.group, values.bits, values.axis, values.group)  # fmt: skip
+    return attention_arguments(q, keys, values, mask, D**-0.5)
+
+
+ABLATIONS = {  # what the profile takes away: the op's arguments without one feature
+    "no-codebook": lambda a: {**a, "k_codebook": None, "v_codebook": None},
+    "no-outliers": lambda a: {**a, "k_out_val": None, "k_out_idx": None, "v_out_val": None, "v_out_idx": None},
+    "post-rope": lambda a: {**a, "rope_inv_freq": None},
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--presets", default="kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct")
-    parser.add_argument("--variants", default="sdpa-fp32,kvq-eager,kvq-compiled")
+    parser.add_argument("--variants", default="sdpa-fp32,native,compiled,reference")
+    parser.add_argument("--profile", action="store_true", help="add the native kernel without each feature a format uses")
+    parser.add_argument("--reference-max", type=int, default=131072, help="longest context the slow reference kernel is timed at")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/attention.json")
@@ -93,7 +107,11 @@ def main() -> None:
     variants = args.variants.split(",")
     rows = []
     q = torch.randn(1, HQ, 1, D, generator=torch.Generator().manual_seed(1))
-    import kvq_ao.ops  # noqa: F401  (registers torch.ops.kvq; quantize_kv_ adds inductor's decompositions)
+    from kvq_ao.kernels import cpu, reference
+    from kvq_ao.ops import reference_arguments
+
+    if not cpu.load():
+        raise SystemExit("the native CPU kernels did not build (see the warning): nothing to measure")
 
     def add(row: dict) -> None:
         row["floor_ms"] = 1000 * row["bytes"] / (gbs * 1e9)
@@ -114,15 +132,25 @@ def main() -> None:
             layer = filled_layer(model, preset, n)
             held = layer.tensor_bytes()
             op = op_args(layer, q)
+            layer = None
             with torch.no_grad():
-                if "kvq-eager" in variants:
-                    add(dict(format=preset, tokens=n, variant="kvq-eager", ms=median_ms(lambda: torch.ops.kvq.attention(*op), args.repeats),
-                             bytes=held))  # fmt: skip
-                if "kvq-compiled" in variants:  # a fresh compile per row (dynamo's recompile limit is per function)
+                if "native" in variants:
+                    add(dict(format=preset, tokens=n, variant="native", bytes=held,
+                             ms=median_ms(lambda: torch.ops.kvq.decode_attention(**op), args.repeats)))  # fmt: skip
+                if args.profile:
+                    for name, strip in ABLATIONS.items():
+                        stripped = strip(op)
+                        if stripped != op:
+                            add(dict(format=preset, tokens=n, variant=f"native {name}", bytes=held,
+                                     ms=median_ms(lambda: torch.ops.kvq.decode_attention(**stripped), args.repeats)))  # fmt: skip
+                if "compiled" in variants:  # a fresh compile per row (dynamo's recompile limit is per function)
                     torch._dynamo.reset()
-                    compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True, dynamic=False)
-                    add(dict(format=preset, tokens=n, variant="kvq-compiled", ms=median_ms(lambda: compiled(*op), args.repeats),
-                             bytes=held))  # fmt: skip
+                    compiled = torch.compile(lambda **a: torch.ops.kvq.decode_attention(**a), fullgraph=True, dynamic=False)
+                    add(dict(format=preset, tokens=n, variant="compiled", bytes=held, ms=median_ms(lambda: compiled(**op), args.repeats)))
+                if "reference" in variants and n <= args.reference_max:
+                    ref = reference_arguments(op)
+                    add(dict(format=preset, tokens=n, variant="reference", bytes=held,
+                             ms=median_ms(lambda: reference.attention(**ref, target="eager"), max(3, args.repeats // 3))))  # fmt: skip
     fp = {r["tokens"]: r["ms"] for r in rows if r["variant"] == "sdpa-fp32"}
     print("\n| format | cached tokens | variant | ms | MiB read | floor ms | x floor | vs fp32 SDPA |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")

@@ -293,6 +293,12 @@ def enable_inductor_fusion() -> None:
     register_decomposition(torch.ops.kvq.quantize.default)(reference.quantize)
     register_decomposition(torch.ops.kvq.dequantize.default)(reference.dequantize)
     register_decomposition(torch.ops.kvq.decode_attention.default)(_decode_attention_for_inductor)
+    # Where the decomposition declines (a native kernel serves the device) the op reaches inductor's
+    # lowering as itself; inductor refuses an implicit fallback for an op that has a decomposition,
+    # so the fallback (an extern call of the op) is registered explicitly.
+    from torch._inductor.lowering import make_fallback
+
+    make_fallback(torch.ops.kvq.decode_attention.default, warn=False, override_decomp=True)
     register_decomposition(torch.ops.kvq.chunk_attention.default)(_chunk_attention_for_inductor)
     _FUSION_ENABLED = True
 

@@ -98,4 +98,4 @@ def reference_attention(named):
     if a["softcap"]:  # Gemma-2's attention logit soft-capping
         scores = a["softcap"] * torch.tanh(scores / a["softcap"])
     scores = scores.masked_fill(~(a["mask"] & valid), float("-inf"))
-    return torch.softmax(scores, -1) @ v
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v  # a query that sees nothing gets zeros

@@ -19,8 +19,9 @@ def test_generate_builds_and_reads_a_quantized_cache(tiny_model, monkeypatch):
     ids = torch.randint(3, 128, (1, 40))
     quantize_kv_(tiny_model, KVQuantConfig.preset("int4-token"))
     calls = []
-    real = torch.ops.kvq.attention
-    monkeypatch.setattr(torch.ops.kvq, "attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    for name in ("decode_attention", "chunk_attention"):
+        real = getattr(torch.ops.kvq, name)
+        monkeypatch.setattr(torch.ops.kvq, name, lambda real=real, **a: calls.append(a["q"].shape) or real(**a))
     out = _generate(tiny_model, ids, return_dict_in_generate=True)
     assert isinstance(out.cache, QuantizedKVCache)
     assert len(calls) == 2 * 12  # 2 layers x (prefill + 11 decode steps)

@@ -1,4 +1,5 @@
-"""torch.compile: fused decode attention without a float K/V buffer; compiled generate == eager."""
+"""torch.compile: the compiled graph calls the native CPU decode kernel; where no native kernel
+serves the device the reference is fused without a float K/V buffer; compiled generate == eager."""
 
 import re
 
@@ -10,40 +11,66 @@ from conftest import kvquant_config, tiny_llama
 from kvq_ao import KVQuantConfig, quantize_kv_
 from kvq_ao.api import compile_config
 from kvq_ao.ops import enable_inductor_fusion
-from attention_cases import attention_case, reference_attention
+from attention_cases import attention_case, positional, reference_attention
+
+
+def decode(*args):
+    return torch.ops.kvq.decode_attention(*args)
+
+
+@pytest.fixture
+def without_native_kernel(monkeypatch):
+    """Compile as for a device no native kernel serves (inductor then fuses the reference)."""
+    import kvq_ao.kernels
+
+    monkeypatch.setattr(kvq_ao.kernels, "native_device", lambda device: False)
+
+
+def test_compiled_decode_attention_calls_the_native_kernel():
+    """On CPU the decomposition declines: the generated code calls the op (its native kernel) and
+    computes nothing of the cache itself."""
+    enable_inductor_fusion()
+    args = positional(attention_case(0, 1, 4, 2, t=512, d=64, hq=9, hkv=3, codebook=True, pre_rope=True, outliers=1))
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(decode, fullgraph=True), *args)
+    torch.testing.assert_close(out.double(), reference_attention(attention_case(0, 1, 4, 2, t=512, d=64, hq=9, hkv=3, codebook=True, pre_rope=True, outliers=1)), rtol=1e-5, atol=1e-5)
+    code = "\n".join(codes)
+    assert "torch.ops.kvq.decode_attention.default(" in code
+    assert not re.findall(r"empty_strided_\w+\(\(([^)]*)\)", code), "the compiled graph allocates buffers of its own"
 
 
 @pytest.mark.parametrize("bits, codebook", [((4, 4), False), ((2, 3), False), ((3, 3), True)])
-def test_compiled_decode_attention_is_fused_without_float_kv_buffer(bits, codebook):
+def test_compiled_reference_decode_attention_is_fused_without_float_kv_buffer(bits, codebook, without_native_kernel):
     """Uniform and codebook (nf/nuq) levels fuse. Outlier slots and pre-RoPE keys do not yet:
     inductor realizes the step's dequantized keys [T, D] (a temporary, the cache stays packed)."""
     enable_inductor_fusion()
     t, d = 512, 64
     extra = dict(codebook=True) if codebook else {}
-    args = attention_case(0, 1, *bits, t=t, d=d, **extra)
+    named = attention_case(0, 1, *bits, t=t, d=d, **extra)
+    args = positional(named)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)
+    compiled = torch.compile(decode, fullgraph=True)
     out, codes = run_and_get_code(compiled, *args)
-    torch.testing.assert_close(out.double(), reference_attention(args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference_attention(named), rtol=1e-5, atol=1e-5)
     code = "\n".join(codes)
     buffers = re.findall(r"empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code)
     assert buffers, "no buffers found: the generated-code check would be vacuous"
     for shape, dtype in buffers:
         dims = [int(x) for x in shape.replace(" ", "").split(",") if x]
         assert not (dtype.startswith("float") and t in dims and d in dims), f"float K/V buffer {dims} in compiled code"
-    assert "torch.ops.kvq.attention(" not in code  # traced and fused, not an extern call
+    assert "torch.ops.kvq.decode_attention" not in code  # traced and fused, not an extern call
 
 
 @pytest.mark.parametrize("bits, extra", [(4, dict(codebook=True, pre_rope=True)), (3, dict(codebook=True, pre_rope=True, outliers=1)),
                                          (2, dict(pre_rope=True))], ids=["nuq4-prerope", "nuq3-prerope-outliers", "int2-prerope"])  # fmt: skip
-def test_compiled_decode_attention_with_kvquant_datatypes_matches_float64(bits, extra):
+def test_compiled_reference_decode_attention_with_kvquant_datatypes_matches_float64(bits, extra, without_native_kernel):
     """The inductor form (q, RoPE table and rotated keys in buffers, codebook levels by selects)
     against the float64 reference, at arbitrary side positions and a body that ends mid-cache."""
     enable_inductor_fusion()
-    args = attention_case(1, 1, bits, bits, t=256, d=64, hq=9, hkv=3, body_end=200, **extra)
+    named = attention_case(1, 1, bits, bits, t=256, d=64, hq=9, hkv=3, body_end=200, **extra)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)
-    torch.testing.assert_close(compiled(*args).double(), reference_attention(args), rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(decode, fullgraph=True)
+    torch.testing.assert_close(compiled(*positional(named)).double(), reference_attention(named), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-nuq3-1pct-vector"])
@@ -149,12 +176,12 @@ def test_inductor_caches_are_keyed_on_the_traced_sources(monkeypatch):
 
     enable_inductor_fusion()
     assert inductor_config.unsafe_marked_cacheable_functions[ops._CACHE_ENTRY] == ops.implementation_digest()
-    args = attention_case(1, 1, 4, 4, t=64, d=32)
+    args = positional(attention_case(1, 3, 4, 4, t=64, d=32))  # chunk attention: inductor traces the reference
 
     def compile_once() -> tuple[int, int]:
         torch._dynamo.reset()
         counters.clear()
-        torch.compile(lambda *a: torch.ops.kvq.attention(*a), fullgraph=True)(*args)
+        torch.compile(lambda *a: torch.ops.kvq.chunk_attention(*a), fullgraph=True)(*args)
         hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
         return hits, counters["inductor"]["fxgraph_cache_miss"]
 

@@ -2,7 +2,7 @@
 
 Gemma's attention differs from Llama's in ways the quantized cache must carry: sliding and global
 layers, MQA, head_dim 256, query_pre_attn_scalar scaling, QK-norm (Gemma-3) and attention logit
-soft-capping (Gemma-2), which kvq.attention applies itself instead of falling back to float.
+soft-capping (Gemma-2), which the kvq attention ops apply themselves instead of falling back to float.
 """
 
 import pytest
@@ -39,7 +39,7 @@ def test_greedy_generation_equals_the_fp_cache(version, preset):
 
 @pytest.mark.parametrize("version", [2, 3])
 def test_attention_through_the_kvq_op_equals_the_models_own_float_attention(version):
-    """With the float ("fp") preset every layer's attention runs in kvq.attention (prefill chunks
+    """With the float ("fp") preset every layer's attention runs in the kvq attention ops (prefill chunks
     and one-token decode), so logits must equal the model's own eager/SDPA attention: soft-capping,
     QK-norm, query_pre_attn_scalar, MQA and sliding windows all included."""
     model = tiny_gemma(version)
@@ -62,17 +62,22 @@ def test_gemma2_soft_capping_is_applied_in_the_op():
         model = tiny_gemma(2)
         quantize_kv_(model, KVQuantConfig.preset("kivi-4"))
         calls = []
-        real = torch.ops.kvq.attention
+        reals = {name: getattr(torch.ops.kvq, name) for name in ("decode_attention", "chunk_attention")}
 
-        def spy(*args):
-            calls.append(args[-1])
-            return real(*args)
+        def spy(name):
+            def call(**args):
+                calls.append(args["softcap"])
+                return reals[name](**args)
 
-        torch.ops.kvq.attention, saved = spy, real
+            return call
+
         try:
+            for name in reals:
+                setattr(torch.ops.kvq, name, spy(name))
             model(ids, cache=make_cache(model))
         finally:
-            torch.ops.kvq.attention = saved
+            for name, real in reals.items():
+                setattr(torch.ops.kvq, name, real)
     assert calls and set(calls) == {2.0}
 
 

@@ -16,7 +16,8 @@ from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, sp
 from kvq_ao.quant.rope import rotate, unrotate
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from attention_cases import ORDER, attention_case
+from attention_cases import attend, attention_case
+from kvq_ao.ops import reference_arguments
 
 
 # ----------------------------------------------------------------------------- pre-RoPE
@@ -54,20 +55,20 @@ def test_rotate_matches_transformers_rope_and_unrotate_inverts_it(rope):
        body_end=st.integers(0, 64), codebook=st.booleans())  # fmt: skip
 def test_dequantize_then_rotate_inside_the_op_equals_attending_rotated_keys(seed, tq, bits, body_end, codebook):
     """Pre-RoPE codes + rotation in the op == the op on explicitly rotated dequantized keys."""
-    args = list(attention_case(seed, tq, bits, bits, body_end=body_end, codebook=codebook, pre_rope=True))
-    a = dict(zip(ORDER, args))
+    a = attention_case(seed, tq, bits, bits, body_end=body_end, codebook=codebook, pre_rope=True)
     g = torch.Generator().manual_seed(seed)
     a["side_pos"] = torch.tensor([0, *torch.randperm(63, generator=g)[:3].add(1).tolist(), -1])  # arbitrary positions
-    out = torch.ops.kvq.attention(*[a[n] for n in ORDER])
-    keys = torch.ops.kvq.dequantize(a["k_codes"], a["k_scale"], a["k_zero"], a["k_codebook"], a["k_out_val"],
-                                    a["k_out_idx"], a["k_bits"], a["k_axis"], a["k_group"], torch.float32)  # fmt: skip
+    out = attend(a)
+    r = reference_arguments(a)
+    keys = torch.ops.kvq.dequantize(r["k_codes"], r["k_scale"], r["k_zero"], r["k_codebook"], r["k_out_val"],
+                                    r["k_out_idx"], r["k_bits"], r["k_axis"], r["k_group"], torch.float32)  # fmt: skip
     t = keys.shape[2]
     b = dict(a)
     b["k_codes"] = rotate(keys, torch.arange(t), a["rope_inv_freq"], a["rope_scale"])
     b["side_k"] = rotate(a["side_k"], a["side_pos"].clamp(min=0), a["rope_inv_freq"], a["rope_scale"])
-    b["k_bits"], b["k_scale"], b["k_zero"], b["k_codebook"] = 0, a["k_scale"][:0], a["k_zero"][:0], torch.zeros(0)
-    b["rope_inv_freq"] = torch.zeros(0)
-    want = torch.ops.kvq.attention(*[b[n] for n in ORDER])
+    b["k_bits"], b["k_scale"], b["k_zero"], b["k_codebook"], b["k_out_val"], b["k_out_idx"] = 0, None, None, None, None, None
+    b["rope_inv_freq"] = None
+    want = attend(b)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,182 @@
+"""The native CPU decode-attention kernel against the reference, on fresh random data.
+
+Every format the cache holds (2/3/4/8-bit uniform and codebook levels, per-channel and per-token
+groups, outlier slots, pre-RoPE keys, a float body), GQA ratios 1/3/8, head_dim 64/128/256, odd
+lengths that end mid-tile, empty and full side stores, left-padded batches, sliding windows,
+per-head masks, soft-capping, and fp32/fp16/bf16 models. The float64 reference of
+tests/attention_cases.py judges both the native kernel and the reference kernel.
+"""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvq_ao.kernels import cpu, reference
+from kvq_ao.ops import reference_arguments
+from kvq_ao.quant.codebook import nf_codebook
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+
+from attention_cases import positional, reference_attention
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _operand(x, prefix, bits, axis, group, codebook, outliers, dtype):
+    """One of K/V of x [B, H, T, D] (float32) in a format, as named op arguments."""
+    if bits == 0:
+        return {f"{prefix}_codes": x.to(dtype), f"{prefix}_scale": None, f"{prefix}_zero": None,
+                f"{prefix}_codebook": None, f"{prefix}_out_val": None, f"{prefix}_out_idx": None,
+                f"{prefix}_bits": 0, f"{prefix}_axis": axis, f"{prefix}_group": group}  # fmt: skip
+    cb = nf_codebook(bits) if codebook and bits <= 4 else None
+    h, d = x.shape[1], x.shape[-1]
+    outliers = outliers if d < 255 else 0  # outlier slots index channels with uint8 (refused at 256, tested elsewhere)
+    lo, hi = (-1.5 * torch.ones(h, d), 1.5 * torch.ones(h, d)) if outliers else (torch.zeros(0), torch.zeros(0))
+    codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
+        x, bits, axis, group, torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
+    )
+    return {f"{prefix}_codes": codes, f"{prefix}_scale": scale, f"{prefix}_zero": zero, f"{prefix}_codebook": cb,
+            f"{prefix}_out_val": out_val.to(dtype) if outliers else None, f"{prefix}_out_idx": out_idx if outliers else None,
+            f"{prefix}_bits": bits, f"{prefix}_axis": axis, f"{prefix}_group": group}  # fmt: skip
+
+
+def native_case(seed, *, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_TOKEN, 16, False, 0), hkv=2, ratio=3,
+                d=64, blocks=5, body_end=None, side="some", batch=2, left_pad=0, window=0, head_mask=False,
+                pre_rope=False, softcap=0.0, dtype=torch.float32):  # fmt: skip
+    """Named decode-attention arguments; the cache holds `blocks` blocks of 16 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    t = 16 * blocks
+    hq = hkv * ratio
+    length = t if body_end is None else body_end + 3  # the query's position + 1
+    body_end = t - 5 if body_end is None else body_end
+    k = torch.randn(batch, hkv, t, d, generator=g) * 2
+    v = torch.randn(batch, hkv, t, d, generator=g)
+    named = {"q": torch.randn(batch, hq, 1, d, generator=g).to(dtype)}
+    named.update(_operand(k, "k", *k_fmt, dtype))
+    named.update(_operand(v, "v", *v_fmt, dtype))
+    positions = {"empty": [], "some": [0, *range(body_end, min(length, t))], "full": list(range(t))}[side]
+    n_side = max(len(positions), 1) + 1
+    side_pos = torch.full((n_side,), -1, dtype=torch.int64)
+    side_pos[: len(positions)] = torch.tensor(positions, dtype=torch.int64)
+    named["side_k"] = torch.randn(batch, hkv, n_side, d, generator=g).to(dtype)
+    named["side_v"] = torch.randn(batch, hkv, n_side, d, generator=g).to(dtype)
+    named["side_pos"] = side_pos
+    named["body_end"] = torch.tensor(body_end)
+    pos = torch.arange(t)
+    mask = (pos < length).expand(batch, hq if head_mask else 1, 1, t).clone()
+    for b in range(batch):  # left padding grows with the batch row
+        mask[b, :, :, : left_pad * b] = False
+    if window:
+        mask &= pos > length - 1 - window
+    if head_mask:
+        mask[:, 1::2, :, 3:20] = False
+    named["mask"] = mask
+    named["rope_inv_freq"] = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)) if pre_rope else None
+    named.update(body_start=1, scaling=d**-0.5, rope_scale=1.25 if pre_rope else 1.0, softcap=softcap)
+    return named
+
+
+def check(named):
+    native = torch.ops.kvq.decode_attention(**named)
+    ref = reference.attention(**reference_arguments(named), target="eager")
+    want = reference_attention(named)
+    tol = TOLERANCE[named["q"].dtype]
+    assert native.shape == want.shape and native.dtype == named["q"].dtype
+    torch.testing.assert_close(native.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(native.double(), ref.double(), rtol=tol, atol=tol)
+    return native
+
+
+FORMATS = st.tuples(
+    st.sampled_from([0, 2, 3, 4, 8]),  # bits (0: a float body)
+    st.sampled_from([AXIS_TOKEN, AXIS_CHANNEL]),
+    st.sampled_from([8, 16]),  # group
+    st.booleans(),  # codebook levels (2-4 bits)
+    st.sampled_from([0, 0, 1, 2]),  # outlier slots per vector
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), k_fmt=FORMATS, v_fmt=FORMATS, ratio=st.sampled_from([1, 3, 8]),
+       hkv=st.sampled_from([1, 2]), d=st.sampled_from([64, 128, 256]), blocks=st.integers(1, 9),
+       side=st.sampled_from(["empty", "some", "full"]), left_pad=st.sampled_from([0, 5, 21]),
+       window=st.sampled_from([0, 7, 40]), head_mask=st.booleans(), pre_rope=st.booleans(),
+       softcap=st.sampled_from([0.0, 0.0, 2.5]), dtype=st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))  # fmt: skip
+def test_native_decode_attention_matches_the_reference(seed, k_fmt, v_fmt, ratio, hkv, d, blocks, side, left_pad,
+                                                       window, head_mask, pre_rope, softcap, dtype):  # fmt: skip
+    body_end = max(1, 16 * blocks - 7 - seed % 9)  # ends mid-tile, odd or even
+    named = native_case(seed, k_fmt=k_fmt, v_fmt=v_fmt, hkv=hkv, ratio=ratio, d=d, blocks=blocks, body_end=body_end,
+                        side=side, left_pad=left_pad, window=window, head_mask=head_mask, pre_rope=pre_rope,
+                        softcap=softcap, dtype=dtype)  # fmt: skip
+    check(named)
+
+
+@pytest.mark.parametrize("ratio", [1, 3, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gqa_ratios_and_head_dims_at_several_tiles(ratio, d):
+    """Long enough (37 tiles, more chunks than threads) that the split-softmax merge is exercised."""
+    named = native_case(0, hkv=2, ratio=ratio, d=d, blocks=74, k_fmt=(2, AXIS_CHANNEL, 16, False, 0),
+                        v_fmt=(2, AXIS_TOKEN, 16, False, 0))  # fmt: skip
+    check(named)
+
+
+def test_left_padded_rows_and_sliding_windows_change_the_result():
+    """The masks above would pass vacuously if the kernel ignored them."""
+    plain = check(native_case(1))
+    assert not torch.allclose(plain[1], check(native_case(1, left_pad=30))[1], atol=1e-4)
+    assert not torch.allclose(plain, check(native_case(1, window=20)), atol=1e-4)
+
+
+def test_a_query_with_nothing_visible_gets_zeros():
+    named = native_case(2, side="empty")
+    named["mask"] = torch.zeros_like(named["mask"])
+    assert torch.equal(torch.ops.kvq.decode_attention(**named), torch.zeros(2, 6, 1, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_opcheck_native_decode_attention(dtype):
+    named = native_case(3, k_fmt=(3, AXIS_CHANNEL, 16, True, 1), pre_rope=True, dtype=dtype)
+    torch.library.opcheck(torch.ops.kvq.decode_attention.default, positional(named))
+
+
+def test_native_kernel_is_what_cpu_runs():
+    """The op's CPU dispatch goes to the C++ kernel, not the Python reference."""
+    assert cpu.is_loaded()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kvq::decode_attention", "CPU")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("kvq::chunk_attention", "CPU")
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """The loader as in a new process (the library stays registered in this one)."""
+    monkeypatch.setattr(cpu, "_state", {"loaded": False, "failed": None})
+
+
+def test_without_a_compiler_one_clear_warning_and_the_reference(fresh_loader, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVQ_AO_CACHE", str(tmp_path))  # nothing built here yet
+
+    def no_compiler(directory, verbose):
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(cpu, "_compile", no_compiler)
+    with pytest.warns(RuntimeWarning, match="could not build the native CPU kernels.*g\\+\\+: command not found.*reference"):
+        assert cpu.load() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a second load neither retries nor warns again
+        assert cpu.load() is False
+    assert not cpu.is_loaded()
+
+
+def test_a_built_library_is_reused_without_compiling(fresh_loader, monkeypatch):
+    monkeypatch.setattr(cpu, "_compile", lambda directory, verbose: pytest.fail("compiled again"))
+    assert any(cpu.build_directory().glob("kvq_cpu*.so"))
+    assert cpu.load() is True
+
+
+def test_native_kernels_can_be_turned_off(fresh_loader, monkeypatch):
+    monkeypatch.setenv("KVQ_AO_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu.load() is False
