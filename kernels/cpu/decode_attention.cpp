@@ -170,63 +170,67 @@ struct Operand {
   template <int BITS>
   void tile_of(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
-    for (int i = 0; i < count; ++i) unpack<BITS>(src + i * row_bytes, out + i * kMaxHeadDim);
-    if (codebook)
-      for (int i = 0; i < count; ++i) lookup(out + i * kMaxHeadDim);
-    if (axis == 1) {  // per-channel groups of `group` tokens: scale/zero rows [T/group, dim]
-      for (int i = 0; i < count; ++i) {
+    const int groups = axis == 1 ? 0 : dim / group;
+    if (axis == 0) {  // per-token groups of `group` channels: scale/zero [T, dim/group], one read per tile
+      const int64_t meta = (bh * T + t0) * groups;
+      load_floats(scale_p + meta * scale_size, scale_t, int64_t{count} * groups, tmp.tile_scale);
+      load_floats(zero_p + meta * zero_size, zero_t, int64_t{count} * groups, tmp.tile_zero);
+    }
+    for (int i = 0; i < count; ++i) {
+      if (axis == 1) {  // per-channel groups of `group` tokens: one scale/zero row [dim] per group
         const int64_t meta_row = bh * (T / group) + (t0 + i) / group;
         if (meta_row != tmp.meta_row) {
           load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
           load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
           tmp.meta_row = meta_row;
         }
-        float* row = out + i * kMaxHeadDim;
-        int c = 0;
-        for (; c + 8 <= dim; c += 8) store8(row + c, load8(row + c) * load8(tmp.scale + c) + load8(tmp.zero + c));
-        for (; c < dim; ++c) row[c] = row[c] * tmp.scale[c] + tmp.zero[c];
-      }
-    } else {  // per-token groups of `group` channels: scale/zero [T, dim/group], one read per tile
-      const int groups = dim / group;
-      const int64_t meta = (bh * T + t0) * groups;
-      load_floats(scale_p + meta * scale_size, scale_t, int64_t{count} * groups, tmp.tile_scale);
-      load_floats(zero_p + meta * zero_size, zero_t, int64_t{count} * groups, tmp.tile_zero);
-      for (int i = 0; i < count; ++i) {
-        float* row = out + i * kMaxHeadDim;
+      } else {  // spread the token's group scales over its channels
         for (int g = 0; g < groups; ++g) {
           const float sc = tmp.tile_scale[i * groups + g], z = tmp.tile_zero[i * groups + g];
-          float* o = row + g * group;
-          int c = 0;
-          for (; c + 8 <= group; c += 8) store8(o + c, load8(o + c) * splat(sc) + splat(z));
-          for (; c < group; ++c) o[c] = o[c] * sc + z;
+          for (int c = g * group; c < (g + 1) * group; ++c) {
+            tmp.scale[c] = sc;
+            tmp.zero[c] = z;
+          }
         }
+        tmp.meta_row = -1;
       }
+      unpack<BITS>(src + i * row_bytes, out + i * kMaxHeadDim, tmp.scale, tmp.zero);
     }
   }
 
-  // Codes (as floats) -> codebook levels.
-  void lookup(float* row) const {
-    int c = 0;
+  // Codes -> values: levels (the integer grid, or the codebook) * scale + zero, 8 channels at a time.
+  inline v8f value8(v8i code, const float* sc, const float* zc) const {
 #if defined(__AVX2__)
-    const __m256 lo = _mm256_loadu_ps(levels), hi = _mm256_loadu_ps(levels + 8);
-    for (; c + 8 <= dim; c += 8) {
-      const __m256i code = _mm256_cvttps_epi32(_mm256_loadu_ps(row + c));
-      const __m256 below = _mm256_permutevar8x32_ps(lo, code), above = _mm256_permutevar8x32_ps(hi, code);
-      const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, _mm256_set1_epi32(7)));
-      _mm256_storeu_ps(row + c, _mm256_blendv_ps(below, above, upper));
+    if (codebook) {
+      const __m256i c = reinterpret_cast<__m256i>(code);
+      const __m256 below = _mm256_permutevar8x32_ps(_mm256_loadu_ps(levels), c);
+      const __m256 above = _mm256_permutevar8x32_ps(_mm256_loadu_ps(levels + 8), c);
+      const __m256 level = _mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
+      return reinterpret_cast<v8f>(level) * load8(sc) + load8(zc);
+    }
+#else
+    if (codebook) {
+      v8f level;
+      for (int l = 0; l < 8; ++l) level[l] = levels[code[l]];
+      return level * load8(sc) + load8(zc);
     }
 #endif
-    for (; c < dim; ++c) row[c] = levels[static_cast<int>(row[c])];
+    return __builtin_convertvector(code, v8f) * load8(sc) + load8(zc);
+  }
+
+  inline float value1(int code, float sc, float zc) const {
+    return (codebook ? levels[code] : static_cast<float>(code)) * sc + zc;
   }
 
   // Planar packing (kvq_ao/quant/packing.py): a row of `dim` codes is `planes` planes of P codes;
-  // word j holds code j of every plane. Codes come out as floats in channel order.
+  // word j holds code j of every plane. Values come out in channel order, with per-channel scale
+  // `sc` and zero `zc`.
   template <int BITS>
-  void unpack(const uint8_t* src, float* out) const {
+  void unpack(const uint8_t* src, float* out, const float* sc, const float* zc) const {
     if constexpr (BITS == 8) {
       int c = 0;
-      for (; c + 8 <= dim; c += 8) store8(out + c, __builtin_convertvector(bytes8(src + c), v8f));
-      for (; c < dim; ++c) out[c] = src[c];
+      for (; c + 8 <= dim; c += 8) store8(out + c, value8(bytes8(src + c), sc + c, zc + c));
+      for (; c < dim; ++c) out[c] = value1(src[c], sc[c], zc[c]);
     } else {
       constexpr int planes = BITS == 3 ? 8 : 8 / BITS;
       constexpr int mask = (1 << BITS) - 1;
@@ -235,13 +239,18 @@ struct Operand {
       for (; j + 8 <= P; j += 8) {
         v8i word = bytes8(src + j);
         if constexpr (BITS == 3) word = word | (bytes8(src + P + j) << 8) | (bytes8(src + 2 * P + j) << 16);
-        for (int i = 0; i < planes; ++i)
-          store8(out + i * P + j, __builtin_convertvector((word >> (i * BITS)) & mask, v8f));
+        for (int i = 0; i < planes; ++i) {
+          const int c = i * P + j;
+          store8(out + c, value8((word >> (i * BITS)) & mask, sc + c, zc + c));
+        }
       }
       for (; j < P; ++j) {
         int32_t word = src[j];
         if constexpr (BITS == 3) word |= (src[P + j] << 8) | (src[2 * P + j] << 16);
-        for (int i = 0; i < planes; ++i) out[i * P + j] = static_cast<float>((word >> (i * BITS)) & mask);
+        for (int i = 0; i < planes; ++i) {
+          const int c = i * P + j;
+          out[c] = value1((word >> (i * BITS)) & mask, sc[c], zc[c]);
+        }
       }
     }
   }
@@ -353,6 +362,25 @@ inline float dot(const float* a, const float* b, int dim) {
   return s;
 }
 
+// Four dot products of q with rows k, k + kMaxHeadDim, ... (dim a multiple of 8).
+inline void dot4(const float* q, const float* k, int dim, float* out) {
+  v8f a0 = splat(0.f), a1 = splat(0.f), a2 = splat(0.f), a3 = splat(0.f);
+  for (int c = 0; c < dim; c += 8) {
+    const v8f qv = load8(q + c);
+    a0 += qv * load8(k + c);
+    a1 += qv * load8(k + kMaxHeadDim + c);
+    a2 += qv * load8(k + 2 * kMaxHeadDim + c);
+    a3 += qv * load8(k + 3 * kMaxHeadDim + c);
+  }
+#if defined(__AVX2__)
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(reinterpret_cast<__m256>(a0), reinterpret_cast<__m256>(a1)),
+                                  _mm256_hadd_ps(reinterpret_cast<__m256>(a2), reinterpret_cast<__m256>(a3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+#endif
+}
+
 // acc[0:dv] = acc * correction + sum_j probs[j] * values[j] (rows kMaxHeadDim apart). Channels go
 // in blocks of 32 (four independent accumulators in registers) so the FMAs over tokens do not wait
 // on each other.
@@ -400,8 +428,12 @@ inline void attend_tile(const float* q, int n_heads, int dim, int dv, int count,
     const float* qh = q + h * dim;
     float* sh = scores + h * kTile;
     float best = kNegInf;
+    int first = 0;
+    if (dim % 8 == 0)
+      for (; first + 4 <= count; first += 4) dot4(qh, keys + first * kMaxHeadDim, dim, sh + first);
+    for (int i = first; i < count; ++i) sh[i] = dot(qh, keys + i * kMaxHeadDim, dim);
     for (int i = 0; i < count; ++i) {
-      float s = dot(qh, keys + i * kMaxHeadDim, dim) * scaling;
+      float s = sh[i] * scaling;
       if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
       s = visible[h * kTile + i] ? s : kNegInf;
       sh[i] = s;
