@@ -66,6 +66,19 @@ def kept_rows(out: str, widths: list[int]) -> tuple[list[dict], dict[int, dict]]
     return rows, {int(b): c for b, c in old["chosen"].items() if int(b) not in widths}
 
 
+def print_dev_table(title: str, rows: list[dict], before: dict, after: dict) -> None:
+    """Print rows as a markdown table: the `before` columns, dev PPL, ΔPPL vs fp, KL to fp, then the
+    `after` columns (each a column name -> function of the row giving its cell)."""
+    names = [*before, "dev PPL", "ΔPPL vs fp", "KL to fp", *after]
+    print(f"\nSmolLM2-135M, {title}")
+    print("| " + " | ".join(names) + " |")
+    print("|" + "---|" * len(names))
+    for r in rows:
+        quality = [f"{r['ppl']:.3f}", f"{100 * (r['ppl_ratio'] - 1):+.2f}%", f"{r['kl']:.4f}"]
+        cells = [f(r) for f in before.values()] + quality + [f(r) for f in after.values()]
+        print("| " + " | ".join(cells) + " |")
+
+
 def save_dev_rows(out: str, rows: list[dict]) -> None:
     Path(out).write_text(json.dumps(dict(date=str(date.today()), text=DEV_TEXT, rows=rows), indent=2) + "\n")
 

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from dev_text import calibrated_dev_row, dev_setup, save_dev_rows
+from dev_text import calibrated_dev_row, dev_setup, print_dev_table, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
 
@@ -43,13 +43,9 @@ def main() -> None:
             rows.append(calibrated_dev_row(model, dev, acts, config, Path("/tmp/kvq-error-sources") / f"{bits}-{i}.json",
                                            bits=bits, variant=label))  # fmt: skip
     save_dev_rows(args.out, rows)
-    print(f"\nSmolLM2-135M, development text ({args.out})")
-    print("| bits | variant | dev PPL | ΔPPL vs fp | KL to fp | keys clamped | values clamped |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['bits']} | {r['variant']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
-              f"{100 * r['clamped_key_outliers']:.2f}% | {100 * r['clamped_value_outliers']:.2f}% |")
-
+    print_dev_table(f"development text ({args.out})", rows, {"bits": lambda r: str(r["bits"]), "variant": lambda r: r["variant"]},
+                    {"keys clamped": lambda r: f"{100 * r['clamped_key_outliers']:.2f}%",
+                     "values clamped": lambda r: f"{100 * r['clamped_value_outliers']:.2f}%"})  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dev_text import calibrated_dev_row, dev_setup, save_dev_rows
+from dev_text import calibrated_dev_row, dev_setup, print_dev_table, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV
 
@@ -53,14 +53,10 @@ def main() -> None:
     chosen = choose(rows)
     data = json.loads(Path(args.out).read_text())
     Path(args.out).write_text(json.dumps(dict(data, preset=args.preset, margin=MARGIN, chosen=chosen["key_slots"]), indent=2) + "\n")
-    print(f"\nSmolLM2-135M, {args.preset}, development text ({args.out})")
-    print("| key slots | dev PPL | ΔPPL vs fp | KL to fp | keys clamped | bits/element at 4096 | chosen |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        mark = "**yes**" if r is chosen else ""
-        print(f"| {r['key_slots']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
-              f"{100 * r['clamped_key_outliers']:.2f}% | {r['avg_bits_at_4096']:.2f} | {mark} |")
-
+    print_dev_table(f"{args.preset}, development text ({args.out})", rows, {"key slots": lambda r: str(r["key_slots"])},
+                    {"keys clamped": lambda r: f"{100 * r['clamped_key_outliers']:.2f}%",
+                     "bits/element at 4096": lambda r: f"{r['avg_bits_at_4096']:.2f}",
+                     "chosen": lambda r: "**yes**" if r is chosen else ""})  # fmt: skip
 
 if __name__ == "__main__":
     main()

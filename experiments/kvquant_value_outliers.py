@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from dev_text import calibrated_dev_row, dev_setup, save_dev_rows
+from dev_text import calibrated_dev_row, dev_setup, print_dev_table, save_dev_rows
 
 from kvq_ao import KVQuantConfig
 from kvq_ao.config import LayerKV
@@ -36,13 +36,9 @@ def main() -> None:
             rows.append(calibrated_dev_row(model, dev, acts, config, Path("/tmp/kvq-value-outliers") / f"{bits}-{rule}.json",
                                            bits=bits, value_outliers=rule, preset_uses=preset.default.value.outlier_rule))  # fmt: skip
     save_dev_rows(args.out, rows)
-    print(f"\nSmolLM2-135M, development text ({args.out})")
-    print("| bits | value outliers | dev PPL | ΔPPL vs fp | KL to fp | top-1 agreement | preset uses |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['bits']} | {r['value_outliers']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {r['kl']:.4f} | "
-              f"{r['token_agreement']:.3f} | {r['preset_uses']} |")
-
+    print_dev_table(f"development text ({args.out})", rows,
+                    {"bits": lambda r: str(r["bits"]), "value outliers": lambda r: r["value_outliers"]},
+                    {"top-1 agreement": lambda r: f"{r['token_agreement']:.3f}", "preset uses": lambda r: r["preset_uses"]})  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ from kvq_ao.api import make_cache, quantize_kv_
 from kvq_ao.model_info import check_model, model_dims
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.kernels import reference
-from kvq_ao.ops import named_arguments, reference_arguments
+from kvq_ao.ops import run_reference
 
 # Tensors of one layer, in a fixed order (names are used for buffers and ONNX inputs/outputs).
 LAYER_TENSORS = ("k_codes", "k_scale", "k_zero", "k_out_val", "k_out_idx", "v_codes", "v_scale", "v_zero",
@@ -28,17 +28,12 @@ LAYER_TENSORS = ("k_codes", "k_scale", "k_zero", "k_out_val", "k_out_idx", "v_co
 # -1 marks empty side slots; outlier values are selected before masking, so must be finite.
 INITIALIZED = ("side_pos", "out_val")
 
-def _reference_attention(*args, **kwargs):
-    """The reference attention in its export form (what ExecuTorch and ONNX run)."""
-    return reference.attention(**reference_arguments(named_arguments(args, kwargs)))
-
-
 # Exported programs lower the reference kernels (core ATen), on every device.
 DECOMPOSITIONS = {
     torch.ops.kvq.quantize.default: reference.quantize,
     torch.ops.kvq.dequantize.default: reference.dequantize,
-    torch.ops.kvq.decode_attention.default: _reference_attention,
-    torch.ops.kvq.chunk_attention.default: _reference_attention,
+    torch.ops.kvq.decode_attention.default: lambda *args, **kwargs: run_reference(args, kwargs),
+    torch.ops.kvq.chunk_attention.default: lambda *args, **kwargs: run_reference(args, kwargs),
 }
 
 

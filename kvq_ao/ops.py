@@ -155,6 +155,11 @@ def reference_arguments(named: dict) -> dict:
     return out
 
 
+def run_reference(args: tuple, kwargs: dict, target: str = "export") -> torch.Tensor:
+    """The reference attention (either op) on arguments passed either way, in `target`'s form."""
+    return reference.attention(**reference_arguments(named_arguments(args, kwargs)), target=target)
+
+
 @torch.library.custom_op("kvq::decode_attention", mutates_args=(), schema=ATTENTION_SCHEMA)
 def decode_attention(*args, **kwargs) -> torch.Tensor:
     """Attention of one query token q [B, Hq, 1, D] over one layer's quantized cache -> [B, Hq, 1, Dv].
@@ -162,27 +167,29 @@ def decode_attention(*args, **kwargs) -> torch.Tensor:
     The decode hot path: CPU runs the native kernel (kernels/cpu) when it is built, every other
     device the reference (kernels/reference.py). softcap > 0 caps the scaled logits as
     softcap * tanh(s / softcap) (Gemma-2); 0 leaves them."""
-    named = _check_attention(named_arguments(args, kwargs), decode=True)
-    return reference.attention(**reference_arguments(named), target="eager")
+    _check_attention(named_arguments(args, kwargs), decode=True)
+    return run_reference(args, kwargs, target="eager")
 
 
 @torch.library.custom_op("kvq::chunk_attention", mutates_args=(), schema=ATTENTION_SCHEMA)
 def chunk_attention(*args, **kwargs) -> torch.Tensor:
     """Attention of a chunk of queries q [B, Hq, Tq, D] (prefill) over one layer's quantized cache."""
-    named = _check_attention(named_arguments(args, kwargs), decode=False)
-    return reference.attention(**reference_arguments(named), target="eager")
+    _check_attention(named_arguments(args, kwargs), decode=False)
+    return run_reference(args, kwargs, target="eager")
 
 
-@decode_attention.register_fake
-def _(*args, **kwargs):
-    named = _check_attention(named_arguments(args, kwargs), decode=True)
-    return named["q"].new_empty([*named["q"].shape[:-1], named["side_v"].shape[-1]])
+def _attention_fake(decode: bool):
+    """The fake kernel of either attention op: the same checks, an output shaped like q with Dv channels."""
+
+    def fake(*args, **kwargs):
+        named = _check_attention(named_arguments(args, kwargs), decode=decode)
+        return named["q"].new_empty([*named["q"].shape[:-1], named["side_v"].shape[-1]])
+
+    return fake
 
 
-@chunk_attention.register_fake
-def _(*args, **kwargs):
-    named = _check_attention(named_arguments(args, kwargs), decode=False)
-    return named["q"].new_empty([*named["q"].shape[:-1], named["side_v"].shape[-1]])
+decode_attention.register_fake(_attention_fake(decode=True))
+chunk_attention.register_fake(_attention_fake(decode=False))
 
 
 def _check_optional(a: dict, prefix: str) -> None:
@@ -306,19 +313,18 @@ def enable_inductor_fusion() -> None:
 def _decode_attention_for_inductor(*args, **kwargs):
     """The reference decode attention in its inductor form, unless a native kernel serves q's device
     (then NotImplemented: the op stays in the graph and calls that kernel)."""
-    named = named_arguments(args, kwargs)
     from kvq_ao.kernels import native_device
 
-    if native_device(named["q"].device):
+    if native_device(named_arguments(args, kwargs)["q"].device):
         return NotImplemented
-    return reference.attention(**reference_arguments(named), target="inductor")
+    return run_reference(args, kwargs, target="inductor")
 
 
 def _chunk_attention_for_inductor(*args, **kwargs):
     """The reference chunk attention in its inductor form (buffers for q and the RoPE table, codebook
     levels by selects); same values, measured faster at long contexts."""
-    return reference.attention(**reference_arguments(named_arguments(args, kwargs)), target="inductor")
+    return run_reference(args, kwargs, target="inductor")
 
 
 __all__ = ["ATTENTION_FIELDS", "ATTENTION_SCHEMA", "chunk_attention", "decode_attention", "dequantize",
-           "enable_inductor_fusion", "named_arguments", "quantize", "reference_arguments"]  # fmt: skip
+           "enable_inductor_fusion", "named_arguments", "quantize", "reference_arguments", "run_reference"]  # fmt: skip

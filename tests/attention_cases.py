@@ -19,20 +19,24 @@ def positional(named: dict) -> tuple:
     return tuple(named[n] for n in ATTENTION_FIELDS)
 
 
-def _quantized(x, bits, axis, group, codebook=None, outliers=0, g=None):
-    """(codes, scale, zero, codebook, out_val, out_idx) of x in one format (bits 0: float)."""
-    empty = torch.zeros(0)
-    if bits == 0:
-        return x.clone(), None, None, None, None, None
-    cb = empty if codebook is None else codebook
-    lo = hi = empty
-    if outliers:  # thresholds that make a few entries per vector outliers
-        lo = -1.5 * torch.ones(x.shape[1], x.shape[-1])
-        hi = 1.5 * torch.ones(x.shape[1], x.shape[-1])
-    codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(x, bits, axis, group, torch.float16, cb, lo, hi, outliers)
-    if not outliers:
-        out_val = out_idx = None
-    return codes, scale, zero, codebook, out_val, out_idx
+def operand(x, prefix, bits, axis, group, codebook=False, outliers=0, dtype=torch.float32) -> dict:
+    """One of K ("k") or V ("v") of x [B, H, T, D] (float32) in a format, as the attention ops'
+    named arguments (bits 0: a float body). Outlier thresholds of +-1.5 make a few entries per
+    vector outliers; model-dtype fields (a float body, outlier values) are in `dtype`."""
+    fields = dict(bits=bits, axis=axis, group=group, codes=x.to(dtype), scale=None, zero=None, codebook=None,
+                  out_val=None, out_idx=None)  # fmt: skip
+    if bits:
+        cb = nf_codebook(bits) if codebook and bits <= 4 else None
+        h, d = x.shape[1], x.shape[-1]
+        outliers = outliers if d < 255 else 0  # uint8 channel indices: refused at 256 (tested elsewhere)
+        lo, hi = (-1.5 * torch.ones(h, d), 1.5 * torch.ones(h, d)) if outliers else (torch.zeros(0), torch.zeros(0))
+        codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
+            x, bits, axis, group, torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
+        )
+        fields.update(codes=codes, scale=scale, zero=zero, codebook=cb)
+        if outliers:
+            fields.update(out_val=out_val.to(dtype), out_idx=out_idx)
+    return {f"{prefix}_{name}": value for name, value in fields.items()}
 
 
 def attention_case(seed, tq, bits_k=4, bits_v=4, k_axis=AXIS_CHANNEL, v_axis=AXIS_TOKEN, hq=6, hkv=2, t=64, d=32, n_side=5,
@@ -41,10 +45,6 @@ def attention_case(seed, tq, bits_k=4, bits_v=4, k_axis=AXIS_CHANNEL, v_axis=AXI
     q = torch.randn(2, hq, tq, d, generator=g)
     k = torch.randn(2, hkv, t, d, generator=g) * 2
     v = torch.randn(2, hkv, t, d, generator=g)
-    cb_k = nf_codebook(bits_k) if codebook and bits_k in (2, 3, 4) else None
-    cb_v = nf_codebook(bits_v) if codebook and bits_v in (2, 3, 4) else None
-    kq = _quantized(k, bits_k, k_axis, 16, cb_k, outliers)
-    vq = _quantized(v, bits_v, v_axis, 16, cb_v, outliers)
     side_k = torch.randn(2, hkv, n_side, d, generator=g)
     side_v = torch.randn(2, hkv, n_side, d, generator=g)
     # sink at position 0, window positions 40..42, one empty slot
@@ -57,10 +57,9 @@ def attention_case(seed, tq, bits_k=4, bits_v=4, k_axis=AXIS_CHANNEL, v_axis=AXI
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)) if pre_rope else None
     named = dict(q=q, side_k=side_k, side_v=side_v, side_pos=side_pos, body_end=torch.tensor(body_end), mask=mask,
                  rope_inv_freq=inv_freq, body_start=body_start, scaling=d**-0.5, rope_scale=1.25 if pre_rope else 1.0,
-                 k_bits=bits_k, k_axis=k_axis, k_group=16, v_bits=bits_v, v_axis=v_axis, v_group=16, softcap=softcap)  # fmt: skip
-    for prefix, parts in (("k", kq), ("v", vq)):
-        for name, tensor in zip(("codes", "scale", "zero", "codebook", "out_val", "out_idx"), parts):
-            named[f"{prefix}_{name}"] = tensor
+                 softcap=softcap)  # fmt: skip
+    named.update(operand(k, "k", bits_k, k_axis, 16, codebook, outliers))
+    named.update(operand(v, "v", bits_v, v_axis, 16, codebook, outliers))
     return named
 
 

@@ -30,10 +30,10 @@ def test_compiled_decode_attention_calls_the_native_kernel():
     """On CPU the decomposition declines: the generated code calls the op (its native kernel) and
     computes nothing of the cache itself."""
     enable_inductor_fusion()
-    args = positional(attention_case(0, 1, 4, 2, t=512, d=64, hq=9, hkv=3, codebook=True, pre_rope=True, outliers=1))
+    named = attention_case(0, 1, 4, 2, t=512, d=64, hq=9, hkv=3, codebook=True, pre_rope=True, outliers=1)
     torch._dynamo.reset()
-    out, codes = run_and_get_code(torch.compile(decode, fullgraph=True), *args)
-    torch.testing.assert_close(out.double(), reference_attention(attention_case(0, 1, 4, 2, t=512, d=64, hq=9, hkv=3, codebook=True, pre_rope=True, outliers=1)), rtol=1e-5, atol=1e-5)
+    out, codes = run_and_get_code(torch.compile(decode, fullgraph=True), *positional(named))
+    torch.testing.assert_close(out.double(), reference_attention(named), rtol=1e-5, atol=1e-5)
     code = "\n".join(codes)
     assert "torch.ops.kvq.decode_attention.default(" in code
     assert not re.findall(r"empty_strided_\w+\(\(([^)]*)\)", code), "the compiled graph allocates buffers of its own"

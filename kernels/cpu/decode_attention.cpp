@@ -46,7 +46,6 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 constexpr int kTile = 32;            // tokens unpacked at once (a 32 x 256 float tile is 32 KiB)
 constexpr int kMaxHeadDim = 256;     // per-tile buffers are sized for this
-constexpr int kEmptySlot = 255;      // outlier slot that holds nothing (kvq_ao.quant.outliers)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -307,6 +306,7 @@ Operand make_operand(const char* name, const at::Tensor& codes, const std::optio
                     o.out_val.size(0) == B && o.out_val.size(1) == H && o.out_val.size(2) == T && o.out_val.size(3) <= dim,
                 "kvq.decode_attention: ", name, " outliers must be [", B, ", ", H, ", ", T, ", k] values and uint8 indices, got ",
                 o.out_val.sizes(), " and ", o.out_idx.sizes(), " ", o.out_idx.scalar_type());
+    TORCH_CHECK_VALUE(dim < 255, "kvq.decode_attention: outlier slots need head_dim < 255 (uint8 channel indices, 255 = empty), got ", dim);
     o.n_out = static_cast<int>(o.out_val.size(3));
     o.out_val_p = static_cast<const char*>(o.out_val.data_ptr());
     o.out_val_t = o.out_val.scalar_type();

@@ -16,30 +16,11 @@ from hypothesis import strategies as st
 
 from kvq_ao.kernels import cpu, reference
 from kvq_ao.ops import reference_arguments
-from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from attention_cases import positional, reference_attention
+from attention_cases import operand, positional, reference_attention
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def _operand(x, prefix, bits, axis, group, codebook, outliers, dtype):
-    """One of K/V of x [B, H, T, D] (float32) in a format, as named op arguments."""
-    if bits == 0:
-        return {f"{prefix}_codes": x.to(dtype), f"{prefix}_scale": None, f"{prefix}_zero": None,
-                f"{prefix}_codebook": None, f"{prefix}_out_val": None, f"{prefix}_out_idx": None,
-                f"{prefix}_bits": 0, f"{prefix}_axis": axis, f"{prefix}_group": group}  # fmt: skip
-    cb = nf_codebook(bits) if codebook and bits <= 4 else None
-    h, d = x.shape[1], x.shape[-1]
-    outliers = outliers if d < 255 else 0  # outlier slots index channels with uint8 (refused at 256, tested elsewhere)
-    lo, hi = (-1.5 * torch.ones(h, d), 1.5 * torch.ones(h, d)) if outliers else (torch.zeros(0), torch.zeros(0))
-    codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
-        x, bits, axis, group, torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
-    )
-    return {f"{prefix}_codes": codes, f"{prefix}_scale": scale, f"{prefix}_zero": zero, f"{prefix}_codebook": cb,
-            f"{prefix}_out_val": out_val.to(dtype) if outliers else None, f"{prefix}_out_idx": out_idx if outliers else None,
-            f"{prefix}_bits": bits, f"{prefix}_axis": axis, f"{prefix}_group": group}  # fmt: skip
 
 
 def native_case(seed, *, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_TOKEN, 16, False, 0), hkv=2, ratio=3,
@@ -54,8 +35,8 @@ def native_case(seed, *, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_T
     k = torch.randn(batch, hkv, t, d, generator=g) * 2
     v = torch.randn(batch, hkv, t, d, generator=g)
     named = {"q": torch.randn(batch, hq, 1, d, generator=g).to(dtype)}
-    named.update(_operand(k, "k", *k_fmt, dtype))
-    named.update(_operand(v, "v", *v_fmt, dtype))
+    named.update(operand(k, "k", *k_fmt, dtype=dtype))
+    named.update(operand(v, "v", *v_fmt, dtype=dtype))
     positions = {"empty": [], "some": [0, *range(body_end, min(length, t))], "full": list(range(t))}[side]
     n_side = max(len(positions), 1) + 1
     side_pos = torch.full((n_side,), -1, dtype=torch.int64)
