@@ -161,3 +161,17 @@ def test_native_kernels_can_be_turned_off(fresh_loader, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu.load() is False
+
+
+def test_pre_rope_keys_far_into_a_long_cache_match_the_reference_kernel():
+    """RoPE angles of positions near 2^18 (the kernel's own sin/cos, reduced in double) against the
+    reference kernel, which rotates with torch's float32 angles as the model does. (The float64
+    reference of the other tests takes exact angles, which differ from float32 ones out here.)"""
+    named = native_case(4, hkv=1, ratio=3, batch=1, blocks=2**14, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), pre_rope=True)
+    t = named["k_codes"].shape[2]
+    named["body_start"] = t - 70
+    named["side_pos"] = torch.tensor([0, t - 3, t - 2, -1])
+    named["side_k"], named["side_v"] = named["side_k"][:, :, :4], named["side_v"][:, :, :4]
+    native = torch.ops.kvq.decode_attention(**named)
+    ref = reference.attention(**reference_arguments(named), target="eager")
+    torch.testing.assert_close(native, ref, rtol=1e-4, atol=1e-4)
