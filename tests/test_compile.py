@@ -155,9 +155,13 @@ def test_smollm2_compiled_generation_equals_eager_kivi4(smollm2):
     torch._dynamo.utils.counters.clear()
     cc = compile_config()
     compiled = [run(prompts[0], compile_config=cc)]
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.profiler.profile() as prof:
         compiled.append(run(prompts[1], compile_config=cc))
     print("kivi-4 compiled:", tokenizer.decode(compiled[1][0, prompts[1].shape[1] :]))
+    # The compiled decode graph calls the attention op, whose CPU kernel is the native one
+    # (tests/kernels/test_native_cpu.py), once per layer and step: 30 layers x 63 decode steps.
+    calls = sum(e.count for e in prof.key_averages() if e.key == "kvq::decode_attention")
+    assert calls == 30 * 63, calls
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
