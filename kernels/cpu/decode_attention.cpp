@@ -36,6 +36,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace kvq_cpu {
@@ -46,6 +47,10 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 constexpr int kTile = 32;            // tokens unpacked at once (a 32 x 256 float tile is 32 KiB)
 constexpr int kMaxHeadDim = 256;     // per-tile buffers are sized for this
+// Row stride of the float tiles. Not a power of two: rows 1 KiB apart would all fall in a quarter of
+// L1's sets, and a tile of keys and one of values would evict each other (measured 1.5x slower).
+constexpr int kRow = kMaxHeadDim + 16;
+constexpr int kMaxGroupHeads = 64;   // query heads per kv head
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -59,6 +64,64 @@ inline v8i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes
 #endif
 }
 inline float hsum(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+// N-lane vectors for the hot loops: 16 lanes (one AVX-512 register, or two AVX2 ones) where a row
+// allows, 8 lanes for the rest.
+template <int N> struct Vec {
+  typedef float f __attribute__((vector_size(N * 4)));
+  typedef int32_t i __attribute__((vector_size(N * 4)));
+};
+template <int N> inline typename Vec<N>::f loadv(const float* p) { typename Vec<N>::f v; std::memcpy(&v, p, sizeof(v)); return v; }
+template <int N> inline void storev(float* p, typename Vec<N>::f v) { std::memcpy(p, &v, sizeof(v)); }
+template <int N> inline typename Vec<N>::f splatv(float x) { return x - typename Vec<N>::f{}; }  // x - 0 folds to a broadcast
+template <int N> inline typename Vec<N>::i bytesv(const uint8_t* p) {  // N bytes -> N int32 lanes
+#if defined(__AVX512F__)
+  if constexpr (N == 16) return reinterpret_cast<typename Vec<N>::i>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+#if defined(__AVX2__)
+  if constexpr (N == 8) return reinterpret_cast<typename Vec<N>::i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+  typename Vec<N>::i v;
+  for (int l = 0; l < N; ++l) v[l] = p[l];
+  return v;
+}
+// table[code] for 16-entry tables (codebook levels), N lanes.
+template <int N> inline typename Vec<N>::f lookupv(typename Vec<N>::i code, const float* table) {
+#if defined(__AVX512F__)
+  if constexpr (N == 16) return reinterpret_cast<typename Vec<N>::f>(_mm512_permutexvar_ps(reinterpret_cast<__m512i>(code), _mm512_loadu_ps(table)));
+#endif
+#if defined(__AVX2__)
+  if constexpr (N == 8) {
+    const __m256i c = reinterpret_cast<__m256i>(code);
+    const __m256 below = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), c);
+    const __m256 above = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), c);
+    return reinterpret_cast<typename Vec<N>::f>(_mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7)))));
+  }
+#endif
+  typename Vec<N>::f v;
+  for (int l = 0; l < N; ++l) v[l] = table[code[l]];
+  return v;
+}
+// The 8 lanes of a + the 8 lanes of b, as one v8f (halves of 16-lane sums).
+inline v8f fold16(Vec<16>::f v) {
+  v8f lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  return lo + hi;
+}
+// out[r] = sum of the lanes of a[r], r < 8.
+inline void hsum8x8(const v8f* a, float* out) {
+#if defined(__AVX2__)
+  const __m256 s01 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[0]), reinterpret_cast<__m256>(a[1]));
+  const __m256 s23 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[2]), reinterpret_cast<__m256>(a[3]));
+  const __m256 s45 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[4]), reinterpret_cast<__m256>(a[5]));
+  const __m256 s67 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[6]), reinterpret_cast<__m256>(a[7]));
+  const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);  // [0..3 | 0..3], [4..7 | 4..7]
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+#else
+  for (int r = 0; r < 8; ++r) out[r] = hsum(a[r]);
+#endif
+}
 
 // exp(x) for x <= 0 (scores minus their running max), 8 lanes: 2^n * P(r), |rel err| < 2e-7.
 inline v8f exp8(v8f x) {
@@ -135,8 +198,27 @@ inline const char* at_elem(const at::Tensor& t, int64_t offset) {
 // Per-thread buffers of one operand: its scale/zero row as floats, kept while tokens share it.
 struct Scratch {
   float scale[kMaxHeadDim], zero[kMaxHeadDim];
-  float tile_scale[kTile * kMaxHeadDim], tile_zero[kTile * kMaxHeadDim];
+  float tile_scale[kTile * kMaxHeadDim], tile_zero[kTile * kMaxHeadDim];  // [group][token], axis 0
+  float raw[kTile * kMaxHeadDim];
   int64_t meta_row = -1;
+  float qs[kMaxGroupHeads * kMaxHeadDim], bias[kMaxGroupHeads];  // q * scale and q . zero of meta_row
+};
+
+// Everything a task needs besides the shared partial results: allocated once per thread and kept
+// (a fresh ~0.5 MB per call cost page faults and zeroing on every layer of every decode step).
+struct Workspace {
+  alignas(64) float ktile[kTile * kRow];
+  alignas(64) float vtile[kTile * kRow];
+  alignas(64) float scores[kMaxGroupHeads * kTile];
+  alignas(64) float probs[kTile];
+  float cos_t[kTile * kMaxHeadDim / 2], sin_t[kTile * kMaxHeadDim / 2];
+  uint8_t visible[kMaxGroupHeads * kTile];
+  Scratch k_tmp, v_tmp;
+
+  static Workspace& of_this_thread() {
+    thread_local std::unique_ptr<Workspace> ws(new Workspace);  // default-initialized: not zeroed
+    return *ws;
+  }
 };
 
 // One of K or V, as the kernel reads it.
@@ -155,16 +237,20 @@ struct Operand {
   float levels[16] = {};                          // codebook levels (or the integer grid)
   bool codebook = false;
 
-  // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kMaxHeadDim.
+  // The fast paths (defined below): keys with per-channel groups scored from their levels, values
+  // with per-token groups accumulated from their levels.
+  void direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
+                         float* scores, Scratch& tmp) const;
+  void direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv, const Scratch& tmp,
+                         int64_t bh, int64_t T, int64_t t0) const;
+
+  // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kRow.
   void tile(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
-    switch (bits) {
-      case 2: tile_of<2>(bh, T, t0, count, out, tmp); break;
-      case 3: tile_of<3>(bh, T, t0, count, out, tmp); break;
-      case 4: tile_of<4>(bh, T, t0, count, out, tmp); break;
-      case 8: tile_of<8>(bh, T, t0, count, out, tmp); break;
-      default:
-        for (int i = 0; i < count; ++i)
-          load_floats(codes_p + (bh * T + t0 + i) * dim * codes_size, codes_t, dim, out + i * kMaxHeadDim);
+    if (bits == 0) {
+      for (int i = 0; i < count; ++i)
+        load_floats(codes_p + (bh * T + t0 + i) * dim * codes_size, codes_t, dim, out + i * kRow);
+    } else {
+      dispatch([&](auto unpack_row) { tile_with(unpack_row, bh, T, t0, count, out, tmp); });
     }
     if (n_out) {  // exact outliers replace their channel's dense value
       float vals[kMaxHeadDim];
@@ -172,22 +258,60 @@ struct Operand {
         const int64_t token = bh * T + t0 + i;
         load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
         const uint8_t* idx = out_idx_p + token * n_out;
-        float* row = out + i * kMaxHeadDim;
+        float* row = out + i * kRow;
         for (int j = 0; j < n_out; ++j)
           if (idx[j] < dim) row[idx[j]] = vals[j];
       }
     }
   }
 
-  template <int BITS>
-  void tile_of(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
+  // Tokens [t0, t0 + count) of (batch, head) `bh` as bare levels, row i at out + i * kRow
+  // (quantized operands only; outliers are left to the caller's corrections).
+  void levels_tile(int64_t bh, int64_t T, int64_t t0, int count, float* out) const {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
+    dispatch([&](auto unpack_row) {
+      for (int i = 0; i < count; ++i) unpack_row(src + i * row_bytes, out + i * kRow, nullptr, nullptr, std::false_type{});
+    });
+  }
+
+  // Per-token scale and zero of tokens [t0, t0 + count), axis 0, as [group][token] rows kTile apart
+  // (what the weights of a group are computed from, a vector at a time).
+  void token_meta(int64_t bh, int64_t T, int64_t t0, int count, Scratch& tmp) const {
+    const int groups = dim / group;
+    const int64_t meta = (bh * T + t0) * groups;
+    load_floats(scale_p + meta * scale_size, scale_t, int64_t{count} * groups, tmp.raw);
+    for (int j = 0; j < count; ++j)
+      for (int g = 0; g < groups; ++g) tmp.tile_scale[g * kTile + j] = tmp.raw[j * groups + g];
+    load_floats(zero_p + meta * zero_size, zero_t, int64_t{count} * groups, tmp.raw);
+    for (int j = 0; j < count; ++j)
+      for (int g = 0; g < groups; ++g) tmp.tile_zero[g * kTile + j] = tmp.raw[j * groups + g];
+  }
+
+ private:
+  inline float level1(int code) const { return codebook ? levels[code] : static_cast<float>(code); }
+
+  // Calls f with the row unpacker for this operand's width and level kind (both compile-time, so the
+  // inner loops carry no branches).
+  template <typename F>
+  void dispatch(F&& f) const {
+    auto with = [&](auto bits_c) {
+      constexpr int B = decltype(bits_c)::value;
+      if (codebook) f([this](auto... a) { unpack<B, true>(a...); });
+      else f([this](auto... a) { unpack<B, false>(a...); });
+    };
+    switch (bits) {
+      case 2: with(std::integral_constant<int, 2>{}); break;
+      case 3: with(std::integral_constant<int, 3>{}); break;
+      case 4: with(std::integral_constant<int, 4>{}); break;
+      default: with(std::integral_constant<int, 8>{}); break;
+    }
+  }
+
+  template <typename U>
+  void tile_with(U unpack_row, int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
     const int groups = axis == 1 ? 0 : dim / group;
-    if (axis == 0) {  // per-token groups of `group` channels: scale/zero [T, dim/group], one read per tile
-      const int64_t meta = (bh * T + t0) * groups;
-      load_floats(scale_p + meta * scale_size, scale_t, int64_t{count} * groups, tmp.tile_scale);
-      load_floats(zero_p + meta * zero_size, zero_t, int64_t{count} * groups, tmp.tile_zero);
-    }
+    if (axis == 0) token_meta(bh, T, t0, count, tmp);
     for (int i = 0; i < count; ++i) {
       if (axis == 1) {  // per-channel groups of `group` tokens: one scale/zero row [dim] per group
         const int64_t meta_row = bh * (T / group) + (t0 + i) / group;
@@ -198,7 +322,7 @@ struct Operand {
         }
       } else {  // spread the token's group scales over its channels
         for (int g = 0; g < groups; ++g) {
-          const float sc = tmp.tile_scale[i * groups + g], z = tmp.tile_zero[i * groups + g];
+          const float sc = tmp.tile_scale[g * kTile + i], z = tmp.tile_zero[g * kTile + i];
           for (int c = g * group; c < (g + 1) * group; ++c) {
             tmp.scale[c] = sc;
             tmp.zero[c] = z;
@@ -206,62 +330,49 @@ struct Operand {
         }
         tmp.meta_row = -1;
       }
-      unpack<BITS>(src + i * row_bytes, out + i * kMaxHeadDim, tmp.scale, tmp.zero);
+      unpack_row(src + i * row_bytes, out + i * kRow, tmp.scale, tmp.zero, std::true_type{});
     }
   }
 
-  // Codes -> values: levels (the integer grid, or the codebook) * scale + zero, 8 channels at a time.
-  inline v8f value8(v8i code, const float* sc, const float* zc) const {
-#if defined(__AVX2__)
-    if (codebook) {
-      const __m256i c = reinterpret_cast<__m256i>(code);
-      const __m256 below = _mm256_permutevar8x32_ps(_mm256_loadu_ps(levels), c);
-      const __m256 above = _mm256_permutevar8x32_ps(_mm256_loadu_ps(levels + 8), c);
-      const __m256 level = _mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
-      return reinterpret_cast<v8f>(level) * load8(sc) + load8(zc);
-    }
-#else
-    if (codebook) {
-      v8f level;
-      for (int l = 0; l < 8; ++l) level[l] = levels[code[l]];
-      return level * load8(sc) + load8(zc);
-    }
-#endif
-    return __builtin_convertvector(code, v8f) * load8(sc) + load8(zc);
-  }
-
-  inline float value1(int code, float sc, float zc) const {
-    return (codebook ? levels[code] : static_cast<float>(code)) * sc + zc;
+  // N channels from N codes: levels (the integer grid, or the codebook), scaled if SCALED.
+  template <int N, bool CB, bool SCALED>
+  inline void emit(typename Vec<N>::i code, float* out, const float* sc, const float* zc) const {
+    typename Vec<N>::f v = CB ? lookupv<N>(code, levels) : __builtin_convertvector(code, typename Vec<N>::f);
+    if constexpr (SCALED) v = v * loadv<N>(sc) + loadv<N>(zc);
+    storev<N>(out, v);
   }
 
   // Planar packing (kvq_ao/quant/packing.py): a row of `dim` codes is `planes` planes of P codes;
-  // word j holds code j of every plane. Values come out in channel order, with per-channel scale
-  // `sc` and zero `zc`.
-  template <int BITS>
-  void unpack(const uint8_t* src, float* out, const float* sc, const float* zc) const {
+  // word j holds code j of every plane. Values come out in channel order: bare levels, or with
+  // per-channel scale `sc` and zero `zc` (SCALED).
+  template <int BITS, bool CB, bool SCALED>
+  inline void unpack(const uint8_t* src, float* out, const float* sc, const float* zc, std::integral_constant<bool, SCALED>) const {
+    auto at = [](const float* p, int c) { return SCALED ? p + c : p; };
     if constexpr (BITS == 8) {
       int c = 0;
-      for (; c + 8 <= dim; c += 8) store8(out + c, value8(bytes8(src + c), sc + c, zc + c));
-      for (; c < dim; ++c) out[c] = value1(src[c], sc[c], zc[c]);
+      for (; c + 16 <= dim; c += 16) emit<16, CB, SCALED>(bytesv<16>(src + c), out + c, at(sc, c), at(zc, c));
+      for (; c + 8 <= dim; c += 8) emit<8, CB, SCALED>(bytesv<8>(src + c), out + c, at(sc, c), at(zc, c));
+      for (; c < dim; ++c) out[c] = SCALED ? level1(src[c]) * sc[c] + zc[c] : level1(src[c]);
     } else {
       constexpr int planes = BITS == 3 ? 8 : 8 / BITS;
       constexpr int mask = (1 << BITS) - 1;
       const int P = dim / planes;
+      auto words = [&](auto n_c, int j) {
+        constexpr int N = decltype(n_c)::value;
+        typename Vec<N>::i word = bytesv<N>(src + j);
+        if constexpr (BITS == 3) word = word | (bytesv<N>(src + P + j) << 8) | (bytesv<N>(src + 2 * P + j) << 16);
+        for (int i = 0; i < planes; ++i) emit<N, CB, SCALED>((word >> (i * BITS)) & mask, out + i * P + j, at(sc, i * P + j), at(zc, i * P + j));
+      };
       int j = 0;
-      for (; j + 8 <= P; j += 8) {
-        v8i word = bytes8(src + j);
-        if constexpr (BITS == 3) word = word | (bytes8(src + P + j) << 8) | (bytes8(src + 2 * P + j) << 16);
-        for (int i = 0; i < planes; ++i) {
-          const int c = i * P + j;
-          store8(out + c, value8((word >> (i * BITS)) & mask, sc + c, zc + c));
-        }
-      }
+      for (; j + 16 <= P; j += 16) words(std::integral_constant<int, 16>{}, j);
+      for (; j + 8 <= P; j += 8) words(std::integral_constant<int, 8>{}, j);
       for (; j < P; ++j) {
         int32_t word = src[j];
         if constexpr (BITS == 3) word |= (src[P + j] << 8) | (src[2 * P + j] << 16);
         for (int i = 0; i < planes; ++i) {
           const int c = i * P + j;
-          out[c] = value1((word >> (i * BITS)) & mask, sc[c], zc[c]);
+          const float level = level1((word >> (i * BITS)) & mask);
+          out[c] = SCALED ? level * sc[c] + zc[c] : level;
         }
       }
     }
@@ -382,15 +493,15 @@ inline float dot(const float* a, const float* b, int dim) {
   return s;
 }
 
-// Four dot products of q with rows k, k + kMaxHeadDim, ... (dim a multiple of 8).
+// Four dot products of q with rows k, k + kRow, ... (dim a multiple of 8).
 inline void dot4(const float* q, const float* k, int dim, float* out) {
   v8f a0 = splat(0.f), a1 = splat(0.f), a2 = splat(0.f), a3 = splat(0.f);
   for (int c = 0; c < dim; c += 8) {
     const v8f qv = load8(q + c);
     a0 += qv * load8(k + c);
-    a1 += qv * load8(k + kMaxHeadDim + c);
-    a2 += qv * load8(k + 2 * kMaxHeadDim + c);
-    a3 += qv * load8(k + 3 * kMaxHeadDim + c);
+    a1 += qv * load8(k + kRow + c);
+    a2 += qv * load8(k + 2 * kRow + c);
+    a3 += qv * load8(k + 3 * kRow + c);
   }
 #if defined(__AVX2__)
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(reinterpret_cast<__m256>(a0), reinterpret_cast<__m256>(a1)),
@@ -401,92 +512,224 @@ inline void dot4(const float* q, const float* k, int dim, float* out) {
 #endif
 }
 
-// acc[0:dv] = acc * correction + sum_j probs[j] * values[j] (rows kMaxHeadDim apart). Channels go
-// in blocks of 32 (four independent accumulators in registers) so the FMAs over tokens do not wait
-// on each other.
-inline void accumulate(float* acc, float correction, const float* probs, const float* values, int count, int dv) {
-  int c = 0;
-  for (; c + 32 <= dv; c += 32) {
-    v8f a0 = load8(acc + c) * splat(correction), a1 = load8(acc + c + 8) * splat(correction);
-    v8f a2 = load8(acc + c + 16) * splat(correction), a3 = load8(acc + c + 24) * splat(correction);
-    for (int j = 0; j < count; ++j) {
-      const v8f p = splat(probs[j]);
-      const float* v = values + j * kMaxHeadDim + c;
-      a0 += p * load8(v);
-      a1 += p * load8(v + 8);
-      a2 += p * load8(v + 16);
-      a3 += p * load8(v + 24);
+// acc[c] = acc[c] * correction + sum_j w[c / group][j] * values[j][c] for c < dv: one weight per
+// token and group of channels (weight rows kTile apart; group = dv for a single weight per token),
+// value rows kRow apart. Blocks of four vectors, with even and odd tokens in separate
+// accumulators, so eight independent FMA chains hide the FMA latency. The vector blocks need
+// every lane of a vector in one group (group a multiple of the lane count, or >= dv).
+template <int N>
+inline int accumulate_blocks(float* acc, float correction, const float* w, int group, const float* values, int count, int dv, int c) {
+  typedef typename Vec<N>::f vf;
+  if (group < dv && group % N != 0) return c;
+  for (; c + 4 * N <= dv; c += 4 * N) {
+    const float* wr[4];
+    vf a[4], b[4];
+    for (int k = 0; k < 4; ++k) {
+      wr[k] = w + (c + k * N) / group * kTile;
+      a[k] = loadv<N>(acc + c + k * N) * splatv<N>(correction);
+      b[k] = splatv<N>(0.f);
     }
-    store8(acc + c, a0);
-    store8(acc + c + 8, a1);
-    store8(acc + c + 16, a2);
-    store8(acc + c + 24, a3);
+    int j = 0;
+    for (; j + 2 <= count; j += 2) {
+      const float* v = values + j * kRow + c;
+      for (int k = 0; k < 4; ++k) {
+        a[k] += splatv<N>(wr[k][j]) * loadv<N>(v + k * N);
+        b[k] += splatv<N>(wr[k][j + 1]) * loadv<N>(v + kRow + k * N);
+      }
+    }
+    if (j < count)
+      for (int k = 0; k < 4; ++k) a[k] += splatv<N>(wr[k][j]) * loadv<N>(values + j * kRow + c + k * N);
+    for (int k = 0; k < 4; ++k) storev<N>(acc + c + k * N, a[k] + b[k]);
   }
-  for (; c + 8 <= dv; c += 8) {
-    v8f a = load8(acc + c) * splat(correction);
-    for (int j = 0; j < count; ++j) a += splat(probs[j]) * load8(values + j * kMaxHeadDim + c);
-    store8(acc + c, a);
+  for (; c + N <= dv; c += N) {
+    const float* wr = w + c / group * kTile;
+    vf a = loadv<N>(acc + c) * splatv<N>(correction);
+    for (int j = 0; j < count; ++j) a += splatv<N>(wr[j]) * loadv<N>(values + j * kRow + c);
+    storev<N>(acc + c, a);
   }
+  return c;
+}
+
+inline void accumulate(float* acc, float correction, const float* w, int group, const float* values, int count, int dv) {
+  int c = accumulate_blocks<16>(acc, correction, w, group, values, count, dv, 0);
+  c = accumulate_blocks<8>(acc, correction, w, group, values, count, dv, c);
   for (; c < dv; ++c) {
+    const float* wr = w + c / group * kTile;
     float a = acc[c] * correction;
-    for (int j = 0; j < count; ++j) a += probs[j] * values[j * kMaxHeadDim + c];
+    for (int j = 0; j < count; ++j) a += wr[j] * values[j * kRow + c];
     acc[c] = a;
   }
 }
 
-// One tile of up to kTile float keys (rows kMaxHeadDim apart): scores of every query head of the
-// group, online softmax, then the values (unpacked only if some head sees the tile) accumulated.
-// `visible[h * kTile + i]` says whether query head h may read token i.
-inline void attend_tile(const float* q, int n_heads, int dim, int dv, int count, const float* keys, const float* values_or_null,
-                        const Operand* value_op, int64_t v_bh, int64_t T, int64_t first, float* vtile, Scratch* tmp,
-                        const uint8_t* visible, float scaling, float softcap, Partial* parts) {
-  alignas(32) float scores[64 * kTile];
-  alignas(32) float probs[kTile];
-  float best_of[64];
-  bool any = false;
+// Eight dot products of q with rows k, k + kRow, ... (dim a multiple of 16).
+inline void dot8(const float* q, const float* k, int dim, float* out) {
+  typedef Vec<16>::f vf;
+  vf a[8];
+  for (int r = 0; r < 8; ++r) a[r] = splatv<16>(0.f);
+  for (int c = 0; c < dim; c += 16) {
+    const vf qv = loadv<16>(q + c);
+    for (int r = 0; r < 8; ++r) a[r] += qv * loadv<16>(k + r * kRow + c);
+  }
+  v8f h[8];
+  for (int r = 0; r < 8; ++r) h[r] = fold16(a[r]);
+  hsum8x8(h, out);
+}
+
+// Scores of `n_heads` query heads (rows `dim` apart at q) against `count` float key rows
+// (kRow apart): scores[h * kTile + i].
+inline void score_rows(const float* q, int n_heads, int dim, int count, const float* keys, float* scores) {
   for (int h = 0; h < n_heads; ++h) {
     const float* qh = q + h * dim;
     float* sh = scores + h * kTile;
-    float best = kNegInf;
-    int first = 0;
+    int i = 0;
+    if (dim % 16 == 0)
+      for (; i + 8 <= count; i += 8) dot8(qh, keys + i * kRow, dim, sh + i);
     if (dim % 8 == 0)
-      for (; first + 4 <= count; first += 4) dot4(qh, keys + first * kMaxHeadDim, dim, sh + first);
-    for (int i = first; i < count; ++i) sh[i] = dot(qh, keys + i * kMaxHeadDim, dim);
-    for (int i = 0; i < count; ++i) {
-      float s = sh[i] * scaling;
-      if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
-      s = visible[h * kTile + i] ? s : kNegInf;
+      for (; i + 4 <= count; i += 4) dot4(qh, keys + i * kRow, dim, sh + i);
+    for (; i < count; ++i) sh[i] = dot(qh, keys + i * kRow, dim);
+  }
+}
+
+// Raw scores -> scaled, soft-capped and masked (`visible[h * kTile + i]`); each head's best score in
+// best_of. False when no head of the group sees any token of the tile.
+inline bool mask_scores(float* scores, int n_heads, int count, const uint8_t* visible, float scaling, float softcap, float* best_of) {
+  bool any = false;
+  for (int h = 0; h < n_heads; ++h) {
+    float* sh = scores + h * kTile;
+    const uint8_t* vis = visible + h * kTile;
+    if (softcap > 0.f)
+      for (int i = 0; i < count; ++i) sh[i] = softcap * std::tanh(sh[i] * scaling / softcap) / scaling;
+    v8f best8 = splat(kNegInf);
+    int i = 0;
+    for (; i + 8 <= count; i += 8) {
+      const v8f s = (bytes8(vis + i) != 0) ? load8(sh + i) * splat(scaling) : splat(kNegInf);
+      store8(sh + i, s);
+      best8 = best8 > s ? best8 : s;
+    }
+    float best = std::max(std::max(std::max(best8[0], best8[1]), std::max(best8[2], best8[3])),
+                          std::max(std::max(best8[4], best8[5]), std::max(best8[6], best8[7])));
+    for (; i < count; ++i) {
+      const float s = vis[i] ? sh[i] * scaling : kNegInf;
       sh[i] = s;
       best = std::max(best, s);
     }
     best_of[h] = best;
     any = any || best > kNegInf;
   }
-  if (!any) return;
-  const float* values = values_or_null;
-  if (values == nullptr) {
-    value_op->tile(v_bh, T, first, count, vtile, *tmp);
-    values = vtile;
+  return any;
+}
+
+// Online softmax over one tile of one head: probs = exp(score - new max), the running max and sum
+// updated; returns the factor the head's accumulated values must be rescaled by.
+inline float softmax_step(const float* sh, int count, float best, Partial& part, float* probs) {
+  const float new_max = std::max(part.max, best);
+  const float correction = part.max == kNegInf ? 0.f : std::exp(part.max - new_max);
+  int i = 0;
+  v8f sum8 = splat(0.f);
+  for (; i + 8 <= count; i += 8) {
+    const v8f s = load8(sh + i);
+    const v8f p = s == splat(kNegInf) ? splat(0.f) : exp8(s - splat(new_max));
+    store8(probs + i, p);
+    sum8 += p;
   }
-  for (int h = 0; h < n_heads; ++h) {
-    const float best = best_of[h];
-    if (best == kNegInf) continue;
-    const float* sh = scores + h * kTile;
-    Partial& part = parts[h];
-    const float new_max = std::max(part.max, best);
-    const float correction = part.max == kNegInf ? 0.f : std::exp(part.max - new_max);
-    int i = 0;
-    for (; i + 8 <= count; i += 8) {
-      v8f s = load8(sh + i);
-      v8f e = exp8(s - splat(new_max));
-      store8(probs + i, s == splat(kNegInf) ? splat(0.f) : e);
+  float tile_sum = hsum(sum8);
+  for (; i < count; ++i) {
+    probs[i] = sh[i] == kNegInf ? 0.f : std::exp(sh[i] - new_max);
+    tile_sum += probs[i];
+  }
+  part.sum = part.sum * correction + tile_sum;
+  part.max = new_max;
+  return correction;
+}
+
+// Keys quantized in per-channel groups share one scale/zero row over `group` tokens, so
+//   q . (scale * level + zero) = (q * scale) . level + q . zero:
+// the query heads are scaled once per row and scored against the bare levels. An outlier replaces
+// its channel's dense value, so its score changes by q[d] * (exact - dense).
+// (Outlier indices of a token are distinct, as the quantizer writes them.)
+void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
+                                float* scores, Scratch& tmp) const {
+  levels_tile(bh, T, t0, count, lv);
+  for (int i = 0; i < count;) {
+    const int64_t row = (t0 + i) / group;
+    const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
+    const int64_t meta_row = bh * (T / group) + row;
+    if (meta_row != tmp.meta_row) {
+      load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
+      load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
+      for (int h = 0; h < n_heads; ++h) {
+        for (int d = 0; d < dim; ++d) tmp.qs[h * dim + d] = q[h * dim + d] * tmp.scale[d];
+        tmp.bias[h] = dot(q + h * dim, tmp.zero, dim);
+      }
+      tmp.meta_row = meta_row;
     }
-    for (; i < count; ++i) probs[i] = sh[i] == kNegInf ? 0.f : std::exp(sh[i] - new_max);
-    float tile_sum = 0.f;
-    for (int j = 0; j < count; ++j) tile_sum += probs[j];
-    part.sum = part.sum * correction + tile_sum;
-    part.max = new_max;
-    accumulate(part.acc, correction, probs, values, count, dv);
+    score_rows(tmp.qs, n_heads, dim, end - i, lv + i * kRow, scores + i);
+    for (int h = 0; h < n_heads; ++h)
+      for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
+    if (n_out) {
+      float vals[kMaxHeadDim];
+      for (int j = i; j < end; ++j) {
+        const int64_t token = bh * T + t0 + j;
+        load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
+        const uint8_t* idx = out_idx_p + token * n_out;
+        for (int o = 0; o < n_out; ++o) {
+          const int d = idx[o];
+          if (d >= dim) continue;
+          const float delta = vals[o] - (tmp.scale[d] * lv[j * kRow + d] + tmp.zero[d]);
+          for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
+        }
+      }
+    }
+    i = end;
+  }
+}
+
+// Values quantized in per-token groups of channels:
+//   sum_j p_j (s_jg * level_j + z_jg) = sum_j (p_j s_jg) level_j + sum_j p_j z_jg, group by group,
+// so the tile stays bare levels and the scales ride on the softmax weights. Outliers are corrected
+// afterwards by p_j * (exact - dense). `tmp` holds the tile's per-token scale/zero (token_meta).
+void Operand::direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv,
+                                const Scratch& tmp, int64_t bh, int64_t T, int64_t t0) const {
+  const int groups = dim / group;
+  alignas(64) float w[kMaxHeadDim / 8 * kTile];  // [group][token]
+  float zsum[kMaxHeadDim / 8];
+  for (int g = 0; g < groups; ++g) {  // hidden tokens (p = 0) contribute nothing, whatever their scale
+    const float* sc = tmp.tile_scale + g * kTile;
+    const float* zc = tmp.tile_zero + g * kTile;
+    float* wg = w + g * kTile;
+    v8f z = splat(0.f);
+    int j = 0;
+    for (; j + 8 <= count; j += 8) {
+      const v8f p = load8(probs + j);
+      const v8i seen = p != splat(0.f);
+      store8(wg + j, seen ? p * load8(sc + j) : splat(0.f));
+      z += seen ? p * load8(zc + j) : splat(0.f);
+    }
+    float zs = hsum(z);
+    for (; j < count; ++j) {
+      const float p = probs[j];
+      wg[j] = p == 0.f ? 0.f : p * sc[j];
+      zs += p == 0.f ? 0.f : p * zc[j];
+    }
+    zsum[g] = zs;
+  }
+  accumulate(acc, correction, w, group, lv, count, dim);
+  for (int g = 0; g < groups; ++g)
+    for (int c = g * group; c < (g + 1) * group; ++c) acc[c] += zsum[g];
+  if (n_out) {
+    float vals[kMaxHeadDim];
+    for (int j = 0; j < count; ++j) {
+      if (probs[j] == 0.f) continue;
+      const int64_t token = bh * T + t0 + j;
+      load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
+      const uint8_t* idx = out_idx_p + token * n_out;
+      for (int o = 0; o < n_out; ++o) {
+        const int d = idx[o];
+        if (d >= dim) continue;
+        const int g = d / group;
+        acc[d] += probs[j] * (vals[o] - (tmp.tile_scale[g * kTile + j] * lv[j * kRow + d] + tmp.tile_zero[g * kTile + j]));
+      }
+    }
   }
 }
 
@@ -544,95 +787,125 @@ at::Tensor decode_attention(
   const int64_t m_b = mask.stride(0), m_h = mask.size(1) == 1 ? 0 : mask.stride(1), m_t = mask.stride(3);
 
   const int64_t n_tiles = (hi - lo + kTile - 1) / kTile;
-  const int64_t n_chunks = std::min<int64_t>(n_tiles, std::max<int64_t>(1, 4 * at::get_num_threads()));
-  const int64_t tasks = n_chunks + 1;  // + the side store
+  // One chunk of tiles per thread (at::parallel_for hands each thread one contiguous range, so more
+  // chunks than threads would leave some threads a chunk more than others); the side store is done
+  // by the last chunk's task and keeps its own partial state (slot n_chunks).
+  const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(n_tiles, at::get_num_threads()));
+  const int64_t slots = n_chunks + 1;
   const int64_t rows = B * Hq;
-  std::vector<float> acc(tasks * rows * Dv, 0.f), maxes(tasks * rows, kNegInf), sums(tasks * rows, 0.f);
+  std::vector<float> acc(slots * rows * Dv, 0.f), maxes(slots * rows, kNegInf), sums(slots * rows, 0.f);
   const float scale_f = static_cast<float>(scaling), softcap_f = static_cast<float>(softcap), rope_f = static_cast<float>(rope_scale);
   const int half = static_cast<int>(D / 2);
+  const int nh = static_cast<int>(n_heads), dk = static_cast<int>(D), dv = static_cast<int>(Dv);
+  const bool direct_k = K.bits != 0 && K.axis == 1 && !pre_rope;
+  const bool direct_v = V.bits != 0 && V.axis == 0 && V.group % 8 == 0;
 
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> ktile(kTile * kMaxHeadDim), vtile(kTile * kMaxHeadDim);
-    auto k_tmp = std::make_unique<Scratch>(), v_tmp = std::make_unique<Scratch>();
-    std::vector<float> cos_t(kTile * kMaxHeadDim / 2), sin_t(kTile * kMaxHeadDim / 2);
-    std::vector<uint8_t> visible(n_heads * kTile);
+  at::parallel_for(0, n_chunks, 1, [&](int64_t begin, int64_t end) {
+    Workspace& ws = Workspace::of_this_thread();
+    float* ktile = ws.ktile;
+    float* vtile = ws.vtile;
+    Scratch* k_tmp = &ws.k_tmp;
+    Scratch* v_tmp = &ws.v_tmp;
+    k_tmp->meta_row = v_tmp->meta_row = -1;  // cached rows belong to the last call's tensors
+    float* cos_t = ws.cos_t;
+    float* sin_t = ws.sin_t;
+    float* scores = ws.scores;
+    uint8_t* visible = ws.visible;
+    float* probs = ws.probs;
+    float best_of[kMaxGroupHeads];
     std::vector<Partial> parts(n_heads);
+    auto state = [&](int64_t slot, int64_t b, int64_t hkv) {
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t row = slot * rows + b * Hq + hkv * n_heads + h;
+        parts[h] = Partial{acc.data() + row * Dv, maxes[row], sums[row]};
+      }
+    };
+    auto save = [&](int64_t slot, int64_t b, int64_t hkv) {
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t row = slot * rows + b * Hq + hkv * n_heads + h;
+        maxes[row] = parts[h].max;
+        sums[row] = parts[h].sum;
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
-      const bool side = task == n_chunks;
-      int64_t t_begin = 0, t_end = 0;
-      if (!side) {
-        t_begin = lo + task * n_tiles / n_chunks * kTile;
-        t_end = std::min(hi, lo + (task + 1) * n_tiles / n_chunks * kTile);
-      }
-      auto state = [&](int64_t b, int64_t hkv) {
-        for (int64_t h = 0; h < n_heads; ++h) {
-          const int64_t row = task * rows + b * Hq + hkv * n_heads + h;
-          parts[h] = Partial{acc.data() + row * Dv, maxes[row], sums[row]};
-        }
-      };
-      auto save = [&](int64_t b, int64_t hkv) {
-        for (int64_t h = 0; h < n_heads; ++h) {
-          const int64_t row = task * rows + b * Hq + hkv * n_heads + h;
-          maxes[row] = parts[h].max;
-          sums[row] = parts[h].sum;
-        }
-      };
-      if (side) {
-        // The side store: full-precision entries outside [body_start, body_end), one at a time.
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
-            state(b, hkv);
-            for (int64_t s = 0; s < S; ++s) {
-              const int64_t p = pos[s];
-              if (p < 0 || (p >= body_start && p < hi)) continue;
-              bool seen = false;
-              for (int64_t h = 0; h < n_heads; ++h) {
-                visible[h * kTile] = mask_data[b * m_b + (hkv * n_heads + h) * m_h + p * m_t];
-                seen = seen || visible[h * kTile];
-              }
-              if (!seen) continue;
-              const int64_t bh = b * Hkv + hkv;
-              load_floats(at_elem(sk, (bh * S + s) * D), sk.scalar_type(), D, ktile.data());
-              load_floats(at_elem(sv, (bh * S + s) * Dv), sv.scalar_type(), Dv, vtile.data());
-              if (pre_rope) {
-                angles(p, inv_freq.data(), half, cos_t.data(), sin_t.data());
-                rotate_row(ktile.data(), cos_t.data(), sin_t.data(), static_cast<int>(D), rope_f);
-              }
-              attend_tile(q_data + (b * Hq + hkv * n_heads) * D, static_cast<int>(n_heads), static_cast<int>(D),
-                          static_cast<int>(Dv), 1, ktile.data(), vtile.data(), nullptr, 0, 0, 0, nullptr, nullptr,
-                          visible.data(), scale_f, softcap_f, parts.data());
-            }
-            save(b, hkv);
-          }
-        continue;
-      }
+      const int64_t t_begin = lo + task * n_tiles / n_chunks * kTile;
+      const int64_t t_end = std::min(hi, lo + (task + 1) * n_tiles / n_chunks * kTile);
       for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
         const int count = static_cast<int>(std::min<int64_t>(kTile, t_end - t0));
         if (pre_rope)  // one table of cos/sin per tile, shared by every batch row and kv head
-          for (int i = 0; i < count; ++i) angles(t0 + i, inv_freq.data(), half, cos_t.data() + i * half, sin_t.data() + i * half);
+          for (int i = 0; i < count; ++i) angles(t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
         for (int64_t b = 0; b < B; ++b)
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             bool seen = false;
             for (int64_t h = 0; h < n_heads; ++h) {
-              const bool* m = mask_data + b * m_b + (hkv * n_heads + h) * m_h;
-              for (int i = 0; i < count; ++i) {
-                visible[h * kTile + i] = m[(t0 + i) * m_t];
-                seen = seen || visible[h * kTile + i];
-              }
+              const bool* m = mask_data + b * m_b + (hkv * n_heads + h) * m_h + t0 * m_t;
+              uint8_t* vis = visible + h * kTile;
+              if (h > 0 && m_h == 0) std::memcpy(vis, visible, count);
+              else if (m_t == 1) std::memcpy(vis, m, count);
+              else for (int i = 0; i < count; ++i) vis[i] = m[i * m_t];
+              if (h == 0 || m_h != 0)
+                for (int i = 0; i < count; ++i) seen = seen || vis[i];
             }
             if (!seen) continue;
             const int64_t bh = b * Hkv + hkv;
-            K.tile(bh, T, t0, count, ktile.data(), *k_tmp);
-            if (pre_rope)
-              for (int i = 0; i < count; ++i)
-                rotate_row(ktile.data() + i * kMaxHeadDim, cos_t.data() + i * half, sin_t.data() + i * half, static_cast<int>(D), rope_f);
-            state(b, hkv);
-            attend_tile(q_data + (b * Hq + hkv * n_heads) * D, static_cast<int>(n_heads), static_cast<int>(D),
-                        static_cast<int>(Dv), count, ktile.data(), nullptr, &V, bh, T, t0, vtile.data(), v_tmp.get(),
-                        visible.data(), scale_f, softcap_f, parts.data());
-            save(b, hkv);
+            const float* qg = q_data + (b * Hq + hkv * n_heads) * D;
+            if (direct_k) {
+              K.direct_key_scores(qg, nh, bh, T, t0, count, ktile, scores, *k_tmp);
+            } else {
+              K.tile(bh, T, t0, count, ktile, *k_tmp);
+              if (pre_rope)
+                for (int i = 0; i < count; ++i)
+                  rotate_row(ktile + i * kRow, cos_t + i * half, sin_t + i * half, dk, rope_f);
+              score_rows(qg, nh, dk, count, ktile, scores);
+            }
+            if (!mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of)) continue;
+            if (direct_v) {
+              V.levels_tile(bh, T, t0, count, vtile);
+              V.token_meta(bh, T, t0, count, *v_tmp);
+            } else {
+              V.tile(bh, T, t0, count, vtile, *v_tmp);
+            }
+            state(task, b, hkv);
+            for (int h = 0; h < nh; ++h) {
+              if (best_of[h] == kNegInf) continue;
+              const float correction = softmax_step(scores + h * kTile, count, best_of[h], parts[h], probs);
+              if (direct_v) V.direct_accumulate(parts[h].acc, correction, probs, count, vtile, *v_tmp, bh, T, t0);
+              else accumulate(parts[h].acc, correction, probs, dv, vtile, count, dv);
+            }
+            save(task, b, hkv);
           }
       }
+      if (task != n_chunks - 1) continue;
+      // The side store: full-precision entries outside [body_start, body_end), one at a time.
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+          state(n_chunks, b, hkv);
+          for (int64_t s = 0; s < S; ++s) {
+            const int64_t p = pos[s];
+            if (p < 0 || (p >= body_start && p < hi)) continue;
+            bool seen = false;
+            for (int64_t h = 0; h < n_heads; ++h) {
+              visible[h * kTile] = mask_data[b * m_b + (hkv * n_heads + h) * m_h + p * m_t];
+              seen = seen || visible[h * kTile];
+            }
+            if (!seen) continue;
+            const int64_t bh = b * Hkv + hkv;
+            load_floats(at_elem(sk, (bh * S + s) * D), sk.scalar_type(), D, ktile);
+            load_floats(at_elem(sv, (bh * S + s) * Dv), sv.scalar_type(), Dv, vtile);
+            if (pre_rope) {
+              angles(p, inv_freq.data(), half, cos_t, sin_t);
+              rotate_row(ktile, cos_t, sin_t, dk, rope_f);
+            }
+            score_rows(q_data + (b * Hq + hkv * n_heads) * D, nh, dk, 1, ktile, scores);
+            if (!mask_scores(scores, nh, 1, visible, scale_f, softcap_f, best_of)) continue;
+            for (int h = 0; h < nh; ++h) {
+              if (best_of[h] == kNegInf) continue;
+              const float correction = softmax_step(scores + h * kTile, 1, best_of[h], parts[h], probs);
+              accumulate(parts[h].acc, correction, probs, dv, vtile, 1, dv);
+            }
+          }
+          save(n_chunks, b, hkv);
+        }
     }
   });
 
@@ -641,10 +914,10 @@ at::Tensor decode_attention(
   float* o = out.data_ptr<float>();
   for (int64_t row = 0; row < rows; ++row) {
     float best = kNegInf;
-    for (int64_t t = 0; t < tasks; ++t) best = std::max(best, maxes[t * rows + row]);
+    for (int64_t t = 0; t < slots; ++t) best = std::max(best, maxes[t * rows + row]);
     if (best == kNegInf) continue;
     float total = 0.f;
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t = 0; t < slots; ++t) {
       const float m = maxes[t * rows + row];
       if (m == kNegInf) continue;
       const float w = std::exp(m - best);
