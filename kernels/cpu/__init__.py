@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 SOURCES = ("decode_attention.cpp",)
+HEADERS = ("attention_core.h",)  # the arithmetic, shared with the ExecuTorch kernel library
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 _state: dict = {"loaded": False, "failed": None}
 
@@ -50,7 +51,7 @@ def _cpu_identity() -> str:
 def build_key() -> str:
     """What the built library depends on: its sources, torch, the flags and the CPU."""
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((Path(__file__).parent / name).read_bytes())
     digest.update(" ".join((torch.__version__, *CFLAGS, _cpu_identity())).encode())
     return digest.hexdigest()[:16]

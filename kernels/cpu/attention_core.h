@@ -1,0 +1,1024 @@
+// The arithmetic of kvq::decode_attention on CPU: one query token attending over one layer's
+// quantized cache, straight from the packed codes (no float [T, D] copy of the cache).
+// Free of ATen and of ExecuTorch: decode_attention.cpp registers it with PyTorch,
+// executorch_ops.cpp with the ExecuTorch runtime; both pass plain views of their tensors.
+//
+// What it computes is defined by the reference (kernels/reference.py, `attention` with one
+// query token); the argument list is the schema in kvq_ao/ops.py (ATTENTION_SCHEMA), which this
+// file implements for the CPU dispatch key.
+//
+// How (flash-decoding on CPU):
+// * the body's readable positions [body_start, body_end) are cut into tiles of kTile tokens and
+//   the tiles into chunks, one task per chunk (the caller's parallel_for: ATen's thread pool, or OpenMP); the side
+//   store (sink and recent window, full precision) is one more task;
+// * per tile and per (batch, kv head): skip it if the mask hides it from every query head of the
+//   group, else unpack its keys into a float tile in L1 (codes -> levels -> scale/zero, outliers,
+//   RoPE at their positions for pre-RoPE keys), score all query heads of the group against it
+//   (GQA inside the kernel: the tile is unpacked once per kv head), update each head's running
+//   max / sum / weighted sum (online softmax), unpack the values tile and accumulate;
+// * the tasks' partial results are merged with their log-sum-exp (split softmax).
+// Arithmetic is float32 throughout; GCC/Clang vector extensions give explicit 8-wide SIMD that
+// compiles to AVX2/AVX-512 or NEON (-march=native at build time), with scalar tails for any
+// head_dim.
+
+#pragma once
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace kvq_core {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+constexpr int kTile = 32;            // tokens unpacked at once (a 32 x 256 float tile is 32 KiB)
+constexpr int kMaxHeadDim = 256;     // per-tile buffers are sized for this
+// Row stride of the float tiles. Not a power of two: rows 1 KiB apart would all fall in a quarter of
+// L1's sets, and a tile of keys and one of values would evict each other (measured 1.5x slower).
+constexpr int kRow = kMaxHeadDim + 16;
+constexpr int kMaxGroupHeads = 64;   // query heads per kv head
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes
+#if defined(__AVX2__)
+  return reinterpret_cast<v8i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return v8i{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+#endif
+}
+inline float hsum(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+// N-lane vectors for the hot loops: 16 lanes (one AVX-512 register, or two AVX2 ones) where a row
+// allows, 8 lanes for the rest.
+template <int N> struct Vec {
+  typedef float f __attribute__((vector_size(N * 4)));
+  typedef int32_t i __attribute__((vector_size(N * 4)));
+};
+template <int N> inline typename Vec<N>::f loadv(const float* p) { typename Vec<N>::f v; std::memcpy(&v, p, sizeof(v)); return v; }
+template <int N> inline void storev(float* p, typename Vec<N>::f v) { std::memcpy(p, &v, sizeof(v)); }
+template <int N> inline typename Vec<N>::f splatv(float x) { return x - typename Vec<N>::f{}; }  // x - 0 folds to a broadcast
+template <int N> inline typename Vec<N>::i bytesv(const uint8_t* p) {  // N bytes -> N int32 lanes
+#if defined(__AVX512F__)
+  if constexpr (N == 16) return reinterpret_cast<typename Vec<N>::i>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+#if defined(__AVX2__)
+  if constexpr (N == 8) return reinterpret_cast<typename Vec<N>::i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+  typename Vec<N>::i v;
+  for (int l = 0; l < N; ++l) v[l] = p[l];
+  return v;
+}
+// table[code] for 16-entry tables (codebook levels), N lanes.
+template <int N> inline typename Vec<N>::f lookupv(typename Vec<N>::i code, const float* table) {
+#if defined(__AVX512F__)
+  if constexpr (N == 16) return reinterpret_cast<typename Vec<N>::f>(_mm512_permutexvar_ps(reinterpret_cast<__m512i>(code), _mm512_loadu_ps(table)));
+#endif
+#if defined(__AVX2__)
+  if constexpr (N == 8) {
+    const __m256i c = reinterpret_cast<__m256i>(code);
+    const __m256 below = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), c);
+    const __m256 above = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), c);
+    return reinterpret_cast<typename Vec<N>::f>(_mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7)))));
+  }
+#endif
+  typename Vec<N>::f v;
+  for (int l = 0; l < N; ++l) v[l] = table[code[l]];
+  return v;
+}
+// The 8 lanes of a + the 8 lanes of b, as one v8f (halves of 16-lane sums).
+inline v8f fold16(Vec<16>::f v) {
+  v8f lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  return lo + hi;
+}
+// out[r] = sum of the lanes of a[r], r < 8.
+inline void hsum8x8(const v8f* a, float* out) {
+#if defined(__AVX2__)
+  const __m256 s01 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[0]), reinterpret_cast<__m256>(a[1]));
+  const __m256 s23 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[2]), reinterpret_cast<__m256>(a[3]));
+  const __m256 s45 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[4]), reinterpret_cast<__m256>(a[5]));
+  const __m256 s67 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[6]), reinterpret_cast<__m256>(a[7]));
+  const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);  // [0..3 | 0..3], [4..7 | 4..7]
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+#else
+  for (int r = 0; r < 8; ++r) out[r] = hsum(a[r]);
+#endif
+}
+
+// exp(x) for x <= 0 (scores minus their running max), 8 lanes: 2^n * P(r), |rel err| < 2e-7.
+inline v8f exp8(v8f x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8f n = (x * splat(1.44269504f) + magic) - magic;
+  v8f r = x - n * splat(0.693145751953125f) - n * splat(1.428606765330187e-06f);
+  v8f p = splat(1.0f / 720);
+  p = p * r + splat(1.0f / 120);
+  p = p * r + splat(1.0f / 24);
+  p = p * r + splat(1.0f / 6);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+typedef double v8d __attribute__((vector_size(64)));
+
+// sin and cos of 8 float32 angles as torch computes them, to ~1e-9: reduced modulo pi/2 in double
+// (exact enough for angles up to millions of radians), polynomials in double, quadrant by selects.
+// Explicit vectors: the same arithmetic as a scalar loop did not vectorize and cost half of a
+// pre-RoPE format's time.
+inline void sincos8(v8f a, v8f* s, v8f* c) {
+  const v8d x = __builtin_convertvector(a, v8d);
+  const v8d magic = x * 0.0 + 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
+  const v8d k = (x * 0.63661977236758134 + magic) - magic;
+  const v8d r = (x - k * 1.5707963267948966) - k * 6.123233995736766e-17;
+  const v8d r2 = r * r;
+  const v8d sn = r * (1.0 + r2 * (-1.0 / 6 + r2 * (1.0 / 120 + r2 * (-1.0 / 5040 + r2 * (1.0 / 362880)))));
+  const v8d cs = 1.0 + r2 * (-0.5 + r2 * (1.0 / 24 + r2 * (-1.0 / 720 + r2 * (1.0 / 40320 - r2 / 3628800))));
+  const v8i quadrant = __builtin_convertvector(k, v8i) & 3;
+  const v8f sf = __builtin_convertvector(sn, v8f), cf = __builtin_convertvector(cs, v8f);
+  const v8i odd = (quadrant & 1) != 0;
+  const v8f sv = odd ? cf : sf, cv = odd ? sf : cf;
+  *s = quadrant >= 2 ? -sv : sv;
+  *c = (quadrant == 1) | (quadrant == 2) ? -cv : cv;
+}
+
+inline void sincos1(float a, float* s, float* c) {
+  v8f vs, vc;
+  sincos8(splat(a), &vs, &vc);
+  *s = vs[0];
+  *c = vc[0];
+}
+
+// The dtypes the kernel reads (each registration layer maps its tensor type onto these).
+enum class DType { Bool, Byte, Long, Half, BFloat16, Float, Double, Other };
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::Bool: return "bool";
+    case DType::Byte: return "uint8";
+    case DType::Long: return "int64";
+    case DType::Half: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Float: return "float32";
+    case DType::Double: return "float64";
+    default: return "an unsupported dtype";
+  }
+}
+
+inline int dtype_size(DType t) {
+  switch (t) {
+    case DType::Bool: case DType::Byte: return 1;
+    case DType::Half: case DType::BFloat16: return 2;
+    case DType::Float: return 4;
+    default: return 8;
+  }
+}
+
+inline bool is_float(DType t) { return t == DType::Half || t == DType::BFloat16 || t == DType::Float || t == DType::Double; }
+
+inline float half_to_float(uint16_t h) {  // IEEE binary16 -> float32, subnormals and inf/nan included
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
+  else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0) bits = sign;
+  else {
+    float f = static_cast<float>(man) * (1.0f / 16777216.0f);  // man * 2^-24
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Reads `n` elements of a float tensor of any supported dtype as float32.
+inline void load_floats(const void* src, DType type, int64_t n, float* out) {
+  switch (type) {
+    case DType::Float: std::memcpy(out, src, n * sizeof(float)); break;
+    case DType::Half: {
+      auto* p = static_cast<const uint16_t*>(src);
+      int64_t i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+      for (; i < n; ++i) out[i] = half_to_float(p[i]);
+      break;
+    }
+    case DType::BFloat16: {
+      auto* p = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+        std::memcpy(out + i, &bits, sizeof(float));
+      }
+      break;
+    }
+    case DType::Double: { auto* p = static_cast<const double*>(src); for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]); break; }
+    default: throw std::invalid_argument(std::string("kvq.decode_attention: unsupported float dtype ") + dtype_name(type));
+  }
+}
+
+// A tensor as the kernel reads it: data, dtype, sizes, and element strides (all contiguous except
+// the mask, which may be a broadcast view). `present` is false for an absent optional tensor.
+struct View {
+  bool present = false;
+  const void* data = nullptr;
+  DType dtype = DType::Other;
+  int dim = 0;
+  int64_t sizes[6] = {};
+  int64_t strides[6] = {};
+  int64_t size(int i) const { return sizes[i]; }
+  int64_t numel() const { int64_t n = 1; for (int i = 0; i < dim; ++i) n *= sizes[i]; return n; }
+  const char* bytes() const { return static_cast<const char*>(data); }
+  std::string shape() const {
+    std::ostringstream s;
+    s << "[";
+    for (int i = 0; i < dim; ++i) s << (i ? ", " : "") << sizes[i];
+    s << "]";
+    return s.str();
+  }
+};
+
+// The kernel's arguments, in the order of ATTENTION_SCHEMA (kvq_ao/ops.py).
+struct Args {
+  View q;
+  View k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx;
+  View v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx;
+  View side_k, side_v, side_pos, body_end, mask, rope_inv_freq;
+  int64_t body_start = 0;
+  double scaling = 1.0, rope_scale = 1.0;
+  int64_t k_bits = 0, k_axis = 0, k_group = 1, v_bits = 0, v_axis = 0, v_group = 1;
+  double softcap = 0.0;
+};
+
+// Bad arguments: std::invalid_argument with the pieces streamed into one message (the layers turn
+// it into a ValueError in PyTorch and an InvalidArgument failure in ExecuTorch).
+template <typename... Parts>
+inline void check(bool ok, const Parts&... parts) {
+  if (ok) return;
+  std::ostringstream s;
+  s << "kvq.decode_attention: ";
+  (s << ... << parts);
+  throw std::invalid_argument(s.str());
+}
+
+// Per-thread buffers of one operand: its scale/zero row as floats, kept while tokens share it.
+struct Scratch {
+  float scale[kMaxHeadDim], zero[kMaxHeadDim];
+  float tile_scale[kTile * kMaxHeadDim], tile_zero[kTile * kMaxHeadDim];  // [group][token], axis 0
+  float raw[kTile * kMaxHeadDim];
+  int64_t meta_row = -1;
+  float qs[kMaxGroupHeads * kMaxHeadDim], bias[kMaxGroupHeads];  // q * scale and q . zero of meta_row
+};
+
+// Everything a task needs besides the shared partial results: allocated once per thread and kept
+// (a fresh ~0.5 MB per call cost page faults and zeroing on every layer of every decode step).
+struct Workspace {
+  alignas(64) float ktile[kTile * kRow];
+  alignas(64) float vtile[kTile * kRow];
+  alignas(64) float scores[kMaxGroupHeads * kTile];
+  alignas(64) float probs[kTile];
+  float cos_t[kTile * kMaxHeadDim / 2], sin_t[kTile * kMaxHeadDim / 2];
+  uint8_t visible[kMaxGroupHeads * kTile];
+  Scratch k_tmp, v_tmp;
+
+  static Workspace& of_this_thread() {
+    thread_local std::unique_ptr<Workspace> ws(new Workspace);  // default-initialized: not zeroed
+    return *ws;
+  }
+};
+
+// One of K or V, as the kernel reads it.
+struct Operand {
+  int bits = 0, axis = 0, group = 1, dim = 0;  // bits 0: float body
+  int64_t row_bytes = 0;                         // packed bytes (or float elements) per token
+  const char* codes_p = nullptr;
+  const char* scale_p = nullptr;
+  const char* zero_p = nullptr;
+  const char* out_val_p = nullptr;
+  const uint8_t* out_idx_p = nullptr;
+  DType codes_t = DType::Byte, scale_t = DType::Half, zero_t = DType::Half, out_val_t = DType::Float;
+  int codes_size = 1, scale_size = 2, zero_size = 2, out_val_size = 4;
+  int n_out = 0;
+  float levels[16] = {};                          // codebook levels (or the integer grid)
+  bool codebook = false;
+
+  // The fast paths (defined below): keys with per-channel groups scored from their levels, values
+  // with per-token groups accumulated from their levels.
+  void direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
+                         float* scores, Scratch& tmp) const;
+  void direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv, const Scratch& tmp,
+                         int64_t bh, int64_t T, int64_t t0) const;
+
+  // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kRow.
+  void tile(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
+    if (bits == 0) {
+      for (int i = 0; i < count; ++i)
+        load_floats(codes_p + (bh * T + t0 + i) * dim * codes_size, codes_t, dim, out + i * kRow);
+    } else {
+      dispatch([&](auto unpack_row) { tile_with(unpack_row, bh, T, t0, count, out, tmp); });
+    }
+    if (n_out) {  // exact outliers replace their channel's dense value
+      float vals[kMaxHeadDim];
+      for (int i = 0; i < count; ++i) {
+        const int64_t token = bh * T + t0 + i;
+        load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
+        const uint8_t* idx = out_idx_p + token * n_out;
+        float* row = out + i * kRow;
+        for (int j = 0; j < n_out; ++j)
+          if (idx[j] < dim) row[idx[j]] = vals[j];
+      }
+    }
+  }
+
+  // Tokens [t0, t0 + count) of (batch, head) `bh` as bare levels, row i at out + i * kRow
+  // (quantized operands only; outliers are left to the caller's corrections).
+  void levels_tile(int64_t bh, int64_t T, int64_t t0, int count, float* out) const {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
+    dispatch([&](auto unpack_row) {
+      for (int i = 0; i < count; ++i) unpack_row(src + i * row_bytes, out + i * kRow, nullptr, nullptr, std::false_type{});
+    });
+  }
+
+  // Per-token scale and zero of tokens [t0, t0 + count), axis 0, as [group][token] rows kTile apart
+  // (what the weights of a group are computed from, a vector at a time).
+  void token_meta(int64_t bh, int64_t T, int64_t t0, int count, Scratch& tmp) const {
+    const int groups = dim / group;
+    const int64_t meta = (bh * T + t0) * groups;
+    load_floats(scale_p + meta * scale_size, scale_t, int64_t{count} * groups, tmp.raw);
+    for (int j = 0; j < count; ++j)
+      for (int g = 0; g < groups; ++g) tmp.tile_scale[g * kTile + j] = tmp.raw[j * groups + g];
+    load_floats(zero_p + meta * zero_size, zero_t, int64_t{count} * groups, tmp.raw);
+    for (int j = 0; j < count; ++j)
+      for (int g = 0; g < groups; ++g) tmp.tile_zero[g * kTile + j] = tmp.raw[j * groups + g];
+  }
+
+ private:
+  inline float level1(int code) const { return codebook ? levels[code] : static_cast<float>(code); }
+
+  // Calls f with the row unpacker for this operand's width and level kind (both compile-time, so the
+  // inner loops carry no branches).
+  template <typename F>
+  void dispatch(F&& f) const {
+    auto with = [&](auto bits_c) {
+      constexpr int B = decltype(bits_c)::value;
+      if (codebook) f([this](auto... a) { unpack<B, true>(a...); });
+      else f([this](auto... a) { unpack<B, false>(a...); });
+    };
+    switch (bits) {
+      case 2: with(std::integral_constant<int, 2>{}); break;
+      case 3: with(std::integral_constant<int, 3>{}); break;
+      case 4: with(std::integral_constant<int, 4>{}); break;
+      default: with(std::integral_constant<int, 8>{}); break;
+    }
+  }
+
+  template <typename U>
+  void tile_with(U unpack_row, int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
+    const int groups = axis == 1 ? 0 : dim / group;
+    if (axis == 0) token_meta(bh, T, t0, count, tmp);
+    for (int i = 0; i < count; ++i) {
+      if (axis == 1) {  // per-channel groups of `group` tokens: one scale/zero row [dim] per group
+        const int64_t meta_row = bh * (T / group) + (t0 + i) / group;
+        if (meta_row != tmp.meta_row) {
+          load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
+          load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
+          tmp.meta_row = meta_row;
+        }
+      } else {  // spread the token's group scales over its channels
+        for (int g = 0; g < groups; ++g) {
+          const float sc = tmp.tile_scale[g * kTile + i], z = tmp.tile_zero[g * kTile + i];
+          for (int c = g * group; c < (g + 1) * group; ++c) {
+            tmp.scale[c] = sc;
+            tmp.zero[c] = z;
+          }
+        }
+        tmp.meta_row = -1;
+      }
+      unpack_row(src + i * row_bytes, out + i * kRow, tmp.scale, tmp.zero, std::true_type{});
+    }
+  }
+
+  // N channels from N codes: levels (the integer grid, or the codebook), scaled if SCALED.
+  template <int N, bool CB, bool SCALED>
+  inline void emit(typename Vec<N>::i code, float* out, const float* sc, const float* zc) const {
+    typename Vec<N>::f v = CB ? lookupv<N>(code, levels) : __builtin_convertvector(code, typename Vec<N>::f);
+    if constexpr (SCALED) v = v * loadv<N>(sc) + loadv<N>(zc);
+    storev<N>(out, v);
+  }
+
+  // Planar packing (kvq_ao/quant/packing.py): a row of `dim` codes is `planes` planes of P codes;
+  // word j holds code j of every plane. Values come out in channel order: bare levels, or with
+  // per-channel scale `sc` and zero `zc` (SCALED).
+  template <int BITS, bool CB, bool SCALED>
+  inline void unpack(const uint8_t* src, float* out, const float* sc, const float* zc, std::integral_constant<bool, SCALED>) const {
+    auto at = [](const float* p, int c) { return SCALED ? p + c : p; };
+    if constexpr (BITS == 8) {
+      int c = 0;
+      for (; c + 16 <= dim; c += 16) emit<16, CB, SCALED>(bytesv<16>(src + c), out + c, at(sc, c), at(zc, c));
+      for (; c + 8 <= dim; c += 8) emit<8, CB, SCALED>(bytesv<8>(src + c), out + c, at(sc, c), at(zc, c));
+      for (; c < dim; ++c) out[c] = SCALED ? level1(src[c]) * sc[c] + zc[c] : level1(src[c]);
+    } else {
+      constexpr int planes = BITS == 3 ? 8 : 8 / BITS;
+      constexpr int mask = (1 << BITS) - 1;
+      const int P = dim / planes;
+      auto words = [&](auto n_c, int j) {
+        constexpr int N = decltype(n_c)::value;
+        typename Vec<N>::i word = bytesv<N>(src + j);
+        if constexpr (BITS == 3) word = word | (bytesv<N>(src + P + j) << 8) | (bytesv<N>(src + 2 * P + j) << 16);
+        for (int i = 0; i < planes; ++i) emit<N, CB, SCALED>((word >> (i * BITS)) & mask, out + i * P + j, at(sc, i * P + j), at(zc, i * P + j));
+      };
+      int j = 0;
+      for (; j + 16 <= P; j += 16) words(std::integral_constant<int, 16>{}, j);
+      for (; j + 8 <= P; j += 8) words(std::integral_constant<int, 8>{}, j);
+      for (; j < P; ++j) {
+        int32_t word = src[j];
+        if constexpr (BITS == 3) word |= (src[P + j] << 8) | (src[2 * P + j] << 16);
+        for (int i = 0; i < planes; ++i) {
+          const int c = i * P + j;
+          const float level = level1((word >> (i * BITS)) & mask);
+          out[c] = SCALED ? level * sc[c] + zc[c] : level;
+        }
+      }
+    }
+  }
+};
+
+inline Operand make_operand(const char* name, const View& codes, const View& scale, const View& zero, const View& codebook,
+                            const View& out_val, const View& out_idx, int64_t bits, int64_t axis, int64_t group, int64_t dim,
+                            int64_t B, int64_t H, int64_t T) {
+  Operand o;
+  o.bits = static_cast<int>(bits);
+  o.axis = static_cast<int>(axis);
+  o.group = static_cast<int>(group);
+  o.dim = static_cast<int>(dim);
+  check(bits == 0 || bits == 2 || bits == 3 || bits == 4 || bits == 8, name, " bits must be 0, 2, 3, 4 or 8, got ", bits);
+  check(axis == 0 || axis == 1, name, " axis must be 0 (token) or 1 (channel), got ", axis);
+  check(group > 0, name, " group must be positive, got ", group);
+  check(dim > 0 && dim <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", dim);
+  check(codes.dim == 4 && codes.size(0) == B && codes.size(1) == H && codes.size(2) == T,
+        name, "_codes must be [", B, ", ", H, ", ", T, ", bytes], got ", codes.shape());
+  if (bits == 0) {
+    check(is_float(codes.dtype) && codes.size(3) == dim, "a float ", name, " body must be floating point [batch, heads, tokens, ",
+          dim, "], got ", codes.shape(), " ", dtype_name(codes.dtype));
+    o.row_bytes = dim;
+  } else {
+    const int planes = bits == 3 ? 8 : 8 / static_cast<int>(bits);
+    const int bytes_per_word = bits == 3 ? 3 : 1;
+    check(dim % planes == 0, bits, "-bit ", name, " codes need head_dim a multiple of ", planes, ", got ", dim);
+    o.row_bytes = dim / planes * bytes_per_word;
+    check(codes.dtype == DType::Byte && codes.size(3) == o.row_bytes, bits, "-bit ", name, "_codes must be uint8 [..., ",
+          o.row_bytes, "], got ", dtype_name(codes.dtype), " ", codes.shape());
+    check(scale.present && zero.present, bits, "-bit ", name, " codes need ", name, "_scale and ", name, "_zero");
+    check(axis == 1 ? T % group == 0 : dim % group == 0, name, " group ", group,
+          axis == 1 ? " does not divide the cache length " : " does not divide head_dim ", axis == 1 ? T : dim);
+    const int64_t meta[4] = {B, H, axis == 1 ? T / group : T, axis == 1 ? dim : dim / group};
+    auto is_meta = [&](const View& v) {
+      return v.dim == 4 && v.sizes[0] == meta[0] && v.sizes[1] == meta[1] && v.sizes[2] == meta[2] && v.sizes[3] == meta[3];
+    };
+    check(is_meta(scale) && is_meta(zero) && is_float(scale.dtype) && is_float(zero.dtype), name, "_scale and ", name,
+          "_zero must be float [", meta[0], ", ", meta[1], ", ", meta[2], ", ", meta[3], "], got ", scale.shape(), " and ", zero.shape());
+    if (codebook.present) {
+      check(bits <= 4 && codebook.dim == 1 && codebook.numel() == (1 << bits) && is_float(codebook.dtype), "a ", bits, "-bit ", name,
+            " codebook must hold ", (1 << bits), " float levels, got ", codebook.shape());
+      load_floats(codebook.data, codebook.dtype, 1 << bits, o.levels);
+      o.codebook = true;
+    }
+    o.scale_p = scale.bytes();
+    o.zero_p = zero.bytes();
+    o.scale_t = scale.dtype;
+    o.zero_t = zero.dtype;
+    o.scale_size = dtype_size(scale.dtype);
+    o.zero_size = dtype_size(zero.dtype);
+  }
+  check(out_val.present == out_idx.present, name, "_out_val and ", name, "_out_idx come together");
+  if (out_val.present) {
+    bool same = out_val.dim == 4 && out_idx.dim == 4;
+    for (int i = 0; same && i < 4; ++i) same = out_val.sizes[i] == out_idx.sizes[i];
+    check(out_idx.dtype == DType::Byte && is_float(out_val.dtype) && same && out_val.size(0) == B && out_val.size(1) == H &&
+              out_val.size(2) == T && out_val.size(3) <= dim,
+          name, " outliers must be [", B, ", ", H, ", ", T, ", k] float values and uint8 indices, got ", out_val.shape(), " and ",
+          out_idx.shape(), " ", dtype_name(out_idx.dtype));
+    check(dim < 255, "outlier slots need head_dim < 255 (uint8 channel indices, 255 = empty), got ", dim);
+    o.n_out = static_cast<int>(out_val.size(3));
+    o.out_val_p = out_val.bytes();
+    o.out_val_t = out_val.dtype;
+    o.out_val_size = dtype_size(out_val.dtype);
+    o.out_idx_p = static_cast<const uint8_t*>(out_idx.data);
+  }
+  o.codes_p = codes.bytes();
+  o.codes_t = codes.dtype;
+  o.codes_size = dtype_size(codes.dtype);
+  return o;
+}
+
+// RoPE of a key row at its position, as kvq_ao.quant.rope.rotate: channel pairs (i, i + D/2).
+inline void rotate_row(float* x, const float* cos, const float* sin, int dim, float scale) {
+  const int half = dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const float c = cos[i] * scale, s = sin[i] * scale, a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = b * c + a * s;
+  }
+}
+
+inline void angles(int64_t pos, const float* inv_freq, int half, float* cos, float* sin) {
+  const float p = static_cast<float>(pos);
+  int i = 0;
+  for (; i + 8 <= half; i += 8) {  // float32 angles p * inv_freq, as torch computes them
+    v8f s, c;
+    sincos8(splat(p) * load8(inv_freq + i), &s, &c);
+    store8(sin + i, s);
+    store8(cos + i, c);
+  }
+  for (; i < half; ++i) sincos1(p * inv_freq[i], sin + i, cos + i);
+}
+
+// Running softmax state of one query head over one task's tokens.
+struct Partial {
+  float* acc;  // [dv] sum of p * v
+  float max;   // running max of the scores (-inf: nothing seen)
+  float sum;   // sum of p
+};
+
+inline float dot(const float* a, const float* b, int dim) {
+  int c = 0;
+  v8f a0 = splat(0.f), a1 = splat(0.f);
+  for (; c + 16 <= dim; c += 16) {
+    a0 += load8(a + c) * load8(b + c);
+    a1 += load8(a + c + 8) * load8(b + c + 8);
+  }
+  for (; c + 8 <= dim; c += 8) a0 += load8(a + c) * load8(b + c);
+  float s = hsum(a0 + a1);
+  for (; c < dim; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// Four dot products of q with rows k, k + kRow, ... (dim a multiple of 8).
+inline void dot4(const float* q, const float* k, int dim, float* out) {
+  v8f a0 = splat(0.f), a1 = splat(0.f), a2 = splat(0.f), a3 = splat(0.f);
+  for (int c = 0; c < dim; c += 8) {
+    const v8f qv = load8(q + c);
+    a0 += qv * load8(k + c);
+    a1 += qv * load8(k + kRow + c);
+    a2 += qv * load8(k + 2 * kRow + c);
+    a3 += qv * load8(k + 3 * kRow + c);
+  }
+#if defined(__AVX2__)
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(reinterpret_cast<__m256>(a0), reinterpret_cast<__m256>(a1)),
+                                  _mm256_hadd_ps(reinterpret_cast<__m256>(a2), reinterpret_cast<__m256>(a3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+#endif
+}
+
+// acc[c] = acc[c] * correction + sum_j w[c / group][j] * values[j][c] for c < dv: one weight per
+// token and group of channels (weight rows kTile apart; group = dv for a single weight per token),
+// value rows kRow apart. Blocks of four vectors, with even and odd tokens in separate
+// accumulators, so eight independent FMA chains hide the FMA latency. The vector blocks need
+// every lane of a vector in one group (group a multiple of the lane count, or >= dv).
+template <int N>
+inline int accumulate_blocks(float* acc, float correction, const float* w, int group, const float* values, int count, int dv, int c) {
+  typedef typename Vec<N>::f vf;
+  if (group < dv && group % N != 0) return c;
+  for (; c + 4 * N <= dv; c += 4 * N) {
+    const float* wr[4];
+    vf a[4], b[4];
+    for (int k = 0; k < 4; ++k) {
+      wr[k] = w + (c + k * N) / group * kTile;
+      a[k] = loadv<N>(acc + c + k * N) * splatv<N>(correction);
+      b[k] = splatv<N>(0.f);
+    }
+    int j = 0;
+    for (; j + 2 <= count; j += 2) {
+      const float* v = values + j * kRow + c;
+      for (int k = 0; k < 4; ++k) {
+        a[k] += splatv<N>(wr[k][j]) * loadv<N>(v + k * N);
+        b[k] += splatv<N>(wr[k][j + 1]) * loadv<N>(v + kRow + k * N);
+      }
+    }
+    if (j < count)
+      for (int k = 0; k < 4; ++k) a[k] += splatv<N>(wr[k][j]) * loadv<N>(values + j * kRow + c + k * N);
+    for (int k = 0; k < 4; ++k) storev<N>(acc + c + k * N, a[k] + b[k]);
+  }
+  for (; c + N <= dv; c += N) {
+    const float* wr = w + c / group * kTile;
+    vf a = loadv<N>(acc + c) * splatv<N>(correction);
+    for (int j = 0; j < count; ++j) a += splatv<N>(wr[j]) * loadv<N>(values + j * kRow + c);
+    storev<N>(acc + c, a);
+  }
+  return c;
+}
+
+inline void accumulate(float* acc, float correction, const float* w, int group, const float* values, int count, int dv) {
+  int c = accumulate_blocks<16>(acc, correction, w, group, values, count, dv, 0);
+  c = accumulate_blocks<8>(acc, correction, w, group, values, count, dv, c);
+  for (; c < dv; ++c) {
+    const float* wr = w + c / group * kTile;
+    float a = acc[c] * correction;
+    for (int j = 0; j < count; ++j) a += wr[j] * values[j * kRow + c];
+    acc[c] = a;
+  }
+}
+
+// Eight dot products of q with rows k, k + kRow, ... (dim a multiple of 16).
+inline void dot8(const float* q, const float* k, int dim, float* out) {
+  typedef Vec<16>::f vf;
+  vf a[8];
+  for (int r = 0; r < 8; ++r) a[r] = splatv<16>(0.f);
+  for (int c = 0; c < dim; c += 16) {
+    const vf qv = loadv<16>(q + c);
+    for (int r = 0; r < 8; ++r) a[r] += qv * loadv<16>(k + r * kRow + c);
+  }
+  v8f h[8];
+  for (int r = 0; r < 8; ++r) h[r] = fold16(a[r]);
+  hsum8x8(h, out);
+}
+
+// Scores of `n_heads` query heads (rows `dim` apart at q) against `count` float key rows
+// (kRow apart): scores[h * kTile + i].
+inline void score_rows(const float* q, int n_heads, int dim, int count, const float* keys, float* scores) {
+  for (int h = 0; h < n_heads; ++h) {
+    const float* qh = q + h * dim;
+    float* sh = scores + h * kTile;
+    int i = 0;
+    if (dim % 16 == 0)
+      for (; i + 8 <= count; i += 8) dot8(qh, keys + i * kRow, dim, sh + i);
+    if (dim % 8 == 0)
+      for (; i + 4 <= count; i += 4) dot4(qh, keys + i * kRow, dim, sh + i);
+    for (; i < count; ++i) sh[i] = dot(qh, keys + i * kRow, dim);
+  }
+}
+
+// Raw scores -> scaled, soft-capped and masked (`visible[h * kTile + i]`); each head's best score in
+// best_of. False when no head of the group sees any token of the tile.
+inline bool mask_scores(float* scores, int n_heads, int count, const uint8_t* visible, float scaling, float softcap, float* best_of) {
+  bool any = false;
+  for (int h = 0; h < n_heads; ++h) {
+    float* sh = scores + h * kTile;
+    const uint8_t* vis = visible + h * kTile;
+    if (softcap > 0.f)
+      for (int i = 0; i < count; ++i) sh[i] = softcap * std::tanh(sh[i] * scaling / softcap) / scaling;
+    v8f best8 = splat(kNegInf);
+    int i = 0;
+    for (; i + 8 <= count; i += 8) {
+      const v8f s = (bytes8(vis + i) != 0) ? load8(sh + i) * splat(scaling) : splat(kNegInf);
+      store8(sh + i, s);
+      best8 = best8 > s ? best8 : s;
+    }
+    float best = std::max(std::max(std::max(best8[0], best8[1]), std::max(best8[2], best8[3])),
+                          std::max(std::max(best8[4], best8[5]), std::max(best8[6], best8[7])));
+    for (; i < count; ++i) {
+      const float s = vis[i] ? sh[i] * scaling : kNegInf;
+      sh[i] = s;
+      best = std::max(best, s);
+    }
+    best_of[h] = best;
+    any = any || best > kNegInf;
+  }
+  return any;
+}
+
+// Online softmax over one tile of one head: probs = exp(score - new max), the running max and sum
+// updated; returns the factor the head's accumulated values must be rescaled by.
+inline float softmax_step(const float* sh, int count, float best, Partial& part, float* probs) {
+  const float new_max = std::max(part.max, best);
+  const float correction = part.max == kNegInf ? 0.f : std::exp(part.max - new_max);
+  int i = 0;
+  v8f sum8 = splat(0.f);
+  for (; i + 8 <= count; i += 8) {
+    const v8f s = load8(sh + i);
+    const v8f p = s == splat(kNegInf) ? splat(0.f) : exp8(s - splat(new_max));
+    store8(probs + i, p);
+    sum8 += p;
+  }
+  float tile_sum = hsum(sum8);
+  for (; i < count; ++i) {
+    probs[i] = sh[i] == kNegInf ? 0.f : std::exp(sh[i] - new_max);
+    tile_sum += probs[i];
+  }
+  part.sum = part.sum * correction + tile_sum;
+  part.max = new_max;
+  return correction;
+}
+
+// Keys quantized in per-channel groups share one scale/zero row over `group` tokens, so
+//   q . (scale * level + zero) = (q * scale) . level + q . zero:
+// the query heads are scaled once per row and scored against the bare levels. An outlier replaces
+// its channel's dense value, so its score changes by q[d] * (exact - dense).
+// (Outlier indices of a token are distinct, as the quantizer writes them.)
+void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
+                                float* scores, Scratch& tmp) const {
+  levels_tile(bh, T, t0, count, lv);
+  for (int i = 0; i < count;) {
+    const int64_t row = (t0 + i) / group;
+    const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
+    const int64_t meta_row = bh * (T / group) + row;
+    if (meta_row != tmp.meta_row) {
+      load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
+      load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
+      for (int h = 0; h < n_heads; ++h) {
+        for (int d = 0; d < dim; ++d) tmp.qs[h * dim + d] = q[h * dim + d] * tmp.scale[d];
+        tmp.bias[h] = dot(q + h * dim, tmp.zero, dim);
+      }
+      tmp.meta_row = meta_row;
+    }
+    score_rows(tmp.qs, n_heads, dim, end - i, lv + i * kRow, scores + i);
+    for (int h = 0; h < n_heads; ++h)
+      for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
+    if (n_out) {
+      float vals[kMaxHeadDim];
+      for (int j = i; j < end; ++j) {
+        const int64_t token = bh * T + t0 + j;
+        load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
+        const uint8_t* idx = out_idx_p + token * n_out;
+        for (int o = 0; o < n_out; ++o) {
+          const int d = idx[o];
+          if (d >= dim) continue;
+          const float delta = vals[o] - (tmp.scale[d] * lv[j * kRow + d] + tmp.zero[d]);
+          for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
+        }
+      }
+    }
+    i = end;
+  }
+}
+
+// Values quantized in per-token groups of channels:
+//   sum_j p_j (s_jg * level_j + z_jg) = sum_j (p_j s_jg) level_j + sum_j p_j z_jg, group by group,
+// so the tile stays bare levels and the scales ride on the softmax weights. Outliers are corrected
+// afterwards by p_j * (exact - dense). `tmp` holds the tile's per-token scale/zero (token_meta).
+void Operand::direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv,
+                                const Scratch& tmp, int64_t bh, int64_t T, int64_t t0) const {
+  const int groups = dim / group;
+  alignas(64) float w[kMaxHeadDim / 8 * kTile];  // [group][token]
+  float zsum[kMaxHeadDim / 8];
+  for (int g = 0; g < groups; ++g) {  // hidden tokens (p = 0) contribute nothing, whatever their scale
+    const float* sc = tmp.tile_scale + g * kTile;
+    const float* zc = tmp.tile_zero + g * kTile;
+    float* wg = w + g * kTile;
+    v8f z = splat(0.f);
+    int j = 0;
+    for (; j + 8 <= count; j += 8) {
+      const v8f p = load8(probs + j);
+      const v8i seen = p != splat(0.f);
+      store8(wg + j, seen ? p * load8(sc + j) : splat(0.f));
+      z += seen ? p * load8(zc + j) : splat(0.f);
+    }
+    float zs = hsum(z);
+    for (; j < count; ++j) {
+      const float p = probs[j];
+      wg[j] = p == 0.f ? 0.f : p * sc[j];
+      zs += p == 0.f ? 0.f : p * zc[j];
+    }
+    zsum[g] = zs;
+  }
+  accumulate(acc, correction, w, group, lv, count, dim);
+  for (int g = 0; g < groups; ++g)
+    for (int c = g * group; c < (g + 1) * group; ++c) acc[c] += zsum[g];
+  if (n_out) {
+    float vals[kMaxHeadDim];
+    for (int j = 0; j < count; ++j) {
+      if (probs[j] == 0.f) continue;
+      const int64_t token = bh * T + t0 + j;
+      load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
+      const uint8_t* idx = out_idx_p + token * n_out;
+      for (int o = 0; o < n_out; ++o) {
+        const int d = idx[o];
+        if (d >= dim) continue;
+        const int g = d / group;
+        acc[d] += probs[j] * (vals[o] - (tmp.tile_scale[g * kTile + j] * lv[j * kRow + d] + tmp.tile_zero[g * kTile + j]));
+      }
+    }
+  }
+}
+
+// Output sizes [B, Hq, Dv] of a valid call, read before running it (for allocating `out`).
+inline void output_sizes(const Args& a, int64_t* sizes) {
+  check(a.q.dim == 4 && a.side_v.dim == 4, "q and side_v must be 4-D, got ", a.q.shape(), " and ", a.side_v.shape());
+  sizes[0] = a.q.size(0);
+  sizes[1] = a.q.size(1);
+  sizes[2] = a.side_v.size(3);
+}
+
+// One query token attending over one layer's quantized cache: out [B, Hq, Dv] float32. Checks
+// every argument first (std::invalid_argument). `parallel_for(n, fn)` runs fn(begin, end) over
+// [0, n) on up to `threads` threads, each thread one contiguous range.
+template <typename ParallelFor>
+void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& parallel_for) {
+  const View& q = a.q;
+  check(q.dim == 4 && q.size(2) == 1, "takes one query token q [batch, heads, 1, head_dim], got ", q.shape());
+  check(q.dtype == DType::Float, "q must be float32 here (the PyTorch layer converts it), got ", dtype_name(q.dtype));
+  check(a.softcap >= 0.0, "softcap must be >= 0 (0 = no soft-capping), got ", a.softcap);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3);
+  check(a.k_codes.dim == 4 && a.v_codes.dim == 4, "the cache must be 4-D [batch, heads, tokens, bytes]");
+  const int64_t Hkv = a.k_codes.size(1), T = a.k_codes.size(2);
+  check(Hkv > 0 && Hq % Hkv == 0, Hq, " query heads is not a multiple of ", Hkv, " key/value heads");
+  const int64_t n_heads = Hq / Hkv;
+  check(n_heads <= kMaxGroupHeads, "at most 64 query heads per kv head, got ", n_heads);
+  const View &side_k = a.side_k, &side_v = a.side_v;
+  check(side_k.dim == 4 && side_v.dim == 4 && side_k.size(0) == B && side_k.size(1) == Hkv && side_k.size(3) == D &&
+            side_v.size(0) == B && side_v.size(1) == Hkv && side_v.size(2) == side_k.size(2) && is_float(side_k.dtype) &&
+            is_float(side_v.dtype),
+        "side_k [", B, ", ", Hkv, ", S, ", D, "] and side_v [", B, ", ", Hkv, ", S, Dv] float expected, got ", side_k.shape(), " and ",
+        side_v.shape());
+  const int64_t Dv = side_v.size(3), S = side_k.size(2);
+  const Operand K = make_operand("k", a.k_codes, a.k_scale, a.k_zero, a.k_codebook, a.k_out_val, a.k_out_idx, a.k_bits, a.k_axis,
+                                 a.k_group, D, B, Hkv, T);
+  const Operand V = make_operand("v", a.v_codes, a.v_scale, a.v_zero, a.v_codebook, a.v_out_val, a.v_out_idx, a.v_bits, a.v_axis,
+                                 a.v_group, Dv, B, Hkv, T);
+  const View& mask = a.mask;
+  check(mask.dtype == DType::Bool && mask.dim == 4 && mask.size(0) == B && (mask.size(1) == 1 || mask.size(1) == Hq) &&
+            mask.size(2) == 1 && mask.size(3) == T,
+        "mask must be bool [", B, ", 1 or ", Hq, ", 1, ", T, "], got ", dtype_name(mask.dtype), " ", mask.shape());
+  check(a.side_pos.dtype == DType::Long && a.side_pos.dim == 1 && a.side_pos.size(0) == S, "side_pos must be int64 [", S, "], got ",
+        dtype_name(a.side_pos.dtype), " ", a.side_pos.shape());
+  check(a.body_end.numel() == 1 && a.body_end.dtype == DType::Long, "body_end must be a 0-dim int64 tensor");
+  const bool pre_rope = a.rope_inv_freq.present;
+  std::vector<float> inv_freq;
+  if (pre_rope) {
+    check(a.rope_inv_freq.dim == 1 && a.rope_inv_freq.numel() == D / 2 && D % 2 == 0 && is_float(a.rope_inv_freq.dtype),
+          "rope_inv_freq must be None or head_dim/2 = ", D / 2, " floats, got ", a.rope_inv_freq.shape());
+    inv_freq.resize(D / 2);
+    load_floats(a.rope_inv_freq.data, a.rope_inv_freq.dtype, D / 2, inv_freq.data());
+  }
+  const int64_t* pos = static_cast<const int64_t*>(a.side_pos.data);
+  for (int64_t s = 0; s < S; ++s)
+    check(pos[s] < T, "side entry ", s, " is at position ", pos[s], " beyond the cache's ", T, " positions");
+  const int64_t lo = std::clamp<int64_t>(a.body_start, 0, T);
+  const int64_t hi = std::clamp<int64_t>(*static_cast<const int64_t*>(a.body_end.data), lo, T);
+
+  const bool* mask_data = static_cast<const bool*>(mask.data);
+  const float* q_data = static_cast<const float*>(q.data);
+  const int64_t m_b = mask.strides[0], m_h = mask.size(1) == 1 ? 0 : mask.strides[1], m_t = mask.strides[3];
+  const float scaling = static_cast<float>(a.scaling), softcap = static_cast<float>(a.softcap);
+  const int64_t body_start = a.body_start;
+
+  const int64_t n_tiles = (hi - lo + kTile - 1) / kTile;
+  // One chunk of tiles per thread (parallel_for hands each thread one contiguous range, so more
+  // chunks than threads would leave some threads a chunk more than others); the side store is done
+  // by the last chunk's task and keeps its own partial state (slot n_chunks).
+  const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(n_tiles, threads));
+  const int64_t slots = n_chunks + 1;
+  const int64_t rows = B * Hq;
+  std::vector<float> acc(slots * rows * Dv, 0.f), maxes(slots * rows, kNegInf), sums(slots * rows, 0.f);
+  const float scale_f = scaling, softcap_f = softcap, rope_f = static_cast<float>(a.rope_scale);
+  const int half = static_cast<int>(D / 2);
+  const int nh = static_cast<int>(n_heads), dk = static_cast<int>(D), dv = static_cast<int>(Dv);
+  const bool direct_k = K.bits != 0 && K.axis == 1 && !pre_rope;
+  const bool direct_v = V.bits != 0 && V.axis == 0 && V.group % 8 == 0;
+
+  parallel_for(n_chunks, [&](int64_t begin, int64_t end) {
+    Workspace& ws = Workspace::of_this_thread();
+    float* ktile = ws.ktile;
+    float* vtile = ws.vtile;
+    Scratch* k_tmp = &ws.k_tmp;
+    Scratch* v_tmp = &ws.v_tmp;
+    k_tmp->meta_row = v_tmp->meta_row = -1;  // cached rows belong to the last call's tensors
+    float* cos_t = ws.cos_t;
+    float* sin_t = ws.sin_t;
+    float* scores = ws.scores;
+    uint8_t* visible = ws.visible;
+    float* probs = ws.probs;
+    float best_of[kMaxGroupHeads];
+    std::vector<Partial> parts(n_heads);
+    auto state = [&](int64_t slot, int64_t b, int64_t hkv) {
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t row = slot * rows + b * Hq + hkv * n_heads + h;
+        parts[h] = Partial{acc.data() + row * Dv, maxes[row], sums[row]};
+      }
+    };
+    auto save = [&](int64_t slot, int64_t b, int64_t hkv) {
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t row = slot * rows + b * Hq + hkv * n_heads + h;
+        maxes[row] = parts[h].max;
+        sums[row] = parts[h].sum;
+      }
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t_begin = lo + task * n_tiles / n_chunks * kTile;
+      const int64_t t_end = std::min(hi, lo + (task + 1) * n_tiles / n_chunks * kTile);
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+        const int count = static_cast<int>(std::min<int64_t>(kTile, t_end - t0));
+        if (pre_rope)  // one table of cos/sin per tile, shared by every batch row and kv head
+          for (int i = 0; i < count; ++i) angles(t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+            bool seen = false;
+            for (int64_t h = 0; h < n_heads; ++h) {
+              const bool* m = mask_data + b * m_b + (hkv * n_heads + h) * m_h + t0 * m_t;
+              uint8_t* vis = visible + h * kTile;
+              if (h > 0 && m_h == 0) std::memcpy(vis, visible, count);
+              else if (m_t == 1) std::memcpy(vis, m, count);
+              else for (int i = 0; i < count; ++i) vis[i] = m[i * m_t];
+              if (h == 0 || m_h != 0)
+                for (int i = 0; i < count; ++i) seen = seen || vis[i];
+            }
+            if (!seen) continue;
+            const int64_t bh = b * Hkv + hkv;
+            const float* qg = q_data + (b * Hq + hkv * n_heads) * D;
+            if (direct_k) {
+              K.direct_key_scores(qg, nh, bh, T, t0, count, ktile, scores, *k_tmp);
+            } else {
+              K.tile(bh, T, t0, count, ktile, *k_tmp);
+              if (pre_rope)
+                for (int i = 0; i < count; ++i)
+                  rotate_row(ktile + i * kRow, cos_t + i * half, sin_t + i * half, dk, rope_f);
+              score_rows(qg, nh, dk, count, ktile, scores);
+            }
+            if (!mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of)) continue;
+            if (direct_v) {
+              V.levels_tile(bh, T, t0, count, vtile);
+              V.token_meta(bh, T, t0, count, *v_tmp);
+            } else {
+              V.tile(bh, T, t0, count, vtile, *v_tmp);
+            }
+            state(task, b, hkv);
+            for (int h = 0; h < nh; ++h) {
+              if (best_of[h] == kNegInf) continue;
+              const float correction = softmax_step(scores + h * kTile, count, best_of[h], parts[h], probs);
+              if (direct_v) V.direct_accumulate(parts[h].acc, correction, probs, count, vtile, *v_tmp, bh, T, t0);
+              else accumulate(parts[h].acc, correction, probs, dv, vtile, count, dv);
+            }
+            save(task, b, hkv);
+          }
+      }
+      if (task != n_chunks - 1) continue;
+      // The side store: full-precision entries outside [body_start, body_end), one at a time.
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+          state(n_chunks, b, hkv);
+          for (int64_t s = 0; s < S; ++s) {
+            const int64_t p = pos[s];
+            if (p < 0 || (p >= body_start && p < hi)) continue;
+            bool seen = false;
+            for (int64_t h = 0; h < n_heads; ++h) {
+              visible[h * kTile] = mask_data[b * m_b + (hkv * n_heads + h) * m_h + p * m_t];
+              seen = seen || visible[h * kTile];
+            }
+            if (!seen) continue;
+            const int64_t bh = b * Hkv + hkv;
+            load_floats(side_k.bytes() + (bh * S + s) * D * dtype_size(side_k.dtype), side_k.dtype, D, ktile);
+            load_floats(side_v.bytes() + (bh * S + s) * Dv * dtype_size(side_v.dtype), side_v.dtype, Dv, vtile);
+            if (pre_rope) {
+              angles(p, inv_freq.data(), half, cos_t, sin_t);
+              rotate_row(ktile, cos_t, sin_t, dk, rope_f);
+            }
+            score_rows(q_data + (b * Hq + hkv * n_heads) * D, nh, dk, 1, ktile, scores);
+            if (!mask_scores(scores, nh, 1, visible, scale_f, softcap_f, best_of)) continue;
+            for (int h = 0; h < nh; ++h) {
+              if (best_of[h] == kNegInf) continue;
+              const float correction = softmax_step(scores + h * kTile, 1, best_of[h], parts[h], probs);
+              accumulate(parts[h].acc, correction, probs, dv, vtile, 1, dv);
+            }
+          }
+          save(n_chunks, b, hkv);
+        }
+    }
+  });
+
+  // Merge the tasks' partial softmaxes (log-sum-exp); rows that saw nothing stay zero.
+  for (int64_t row = 0; row < rows; ++row) {
+    float* o = out + row * Dv;
+    std::fill(o, o + Dv, 0.f);
+    float best = kNegInf;
+    for (int64_t t = 0; t < slots; ++t) best = std::max(best, maxes[t * rows + row]);
+    if (best == kNegInf) continue;
+    float total = 0.f;
+    for (int64_t t = 0; t < slots; ++t) {
+      const float m = maxes[t * rows + row];
+      if (m == kNegInf) continue;
+      const float w = std::exp(m - best);
+      total += w * sums[t * rows + row];
+      const float* acc_t = acc.data() + (t * rows + row) * Dv;
+      for (int64_t c = 0; c < Dv; ++c) o[c] += w * acc_t[c];
+    }
+    for (int64_t c = 0; c < Dv; ++c) o[c] /= total;
+  }
+}
+
+}  // namespace kvq_core
