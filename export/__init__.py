@@ -9,6 +9,10 @@ executorch, onnx, onnxscript and onnxruntime are imported only when used.
 
 # ExecuTorch backends of `export_executorch` (here, import-free, for the CLI's and benchmarks' choices).
 EXECUTORCH_BACKENDS = ("xnnpack", "portable")
+# How a `.pte` runs the kvq decode attention: "native" calls the kvq ExecuTorch kernel library (the
+# C++ kernel eager PyTorch runs), "portable" the reference decomposed into ExecuTorch's portable
+# ops (slow, needs nothing), "auto" native where the library builds here, else portable, announced.
+KVQ_KERNELS = ("auto", "native", "portable")
 
 
 def export_executorch(*args, **kwargs):
@@ -23,4 +27,4 @@ def export_onnx(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ["EXECUTORCH_BACKENDS", "export_executorch", "export_onnx"]
+__all__ = ["EXECUTORCH_BACKENDS", "KVQ_KERNELS", "export_executorch", "export_onnx"]

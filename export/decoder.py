@@ -91,12 +91,21 @@ class DecodeStep(torch.nn.Module):
             _set_layer_tensors(layer, {name: next(it) for name in LAYER_TENSORS})
 
 
-def export_decode_step(step: torch.nn.Module, decompose: bool = True) -> torch.export.ExportedProgram:
-    """torch.export a decode step (strict mode: non-strict failed in lowering on this stack)."""
+def export_decode_step(step: torch.nn.Module, decompose: bool = True, native_attention: bool = False) -> torch.export.ExportedProgram:
+    """torch.export a decode step (strict mode: non-strict failed in lowering on this stack).
+
+    decompose: lower the kvq ops to the reference kernels (core ATen). native_attention keeps the
+    decode attention a `kvq::decode_attention` call, for runtimes with the kvq kernel library.
+    """
     example = (torch.tensor([[0]], dtype=torch.long), torch.tensor([0], dtype=torch.long))
     with torch.no_grad():
         program = torch.export.export(step, example, strict=True)
-    return program.run_decompositions(DECOMPOSITIONS) if decompose else program
+    if not decompose:
+        return program
+    table = dict(DECOMPOSITIONS)
+    if native_attention:
+        del table[torch.ops.kvq.decode_attention.default]
+    return program.run_decompositions(table)
 
 
 def check_prompt(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:

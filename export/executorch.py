@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.export import EXECUTORCH_BACKENDS
+from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
 from kvq_ao.export.decoder import INITIALIZED, DecodeStep, greedy_generate, export_decode_step
 
 
@@ -27,6 +28,7 @@ class ExportedPte:
     path: Path
     mutable_buffers: dict[str, tuple[torch.dtype, int]]  # name -> (dtype, bytes), as lowered
     delegate_calls: int = 0  # calls into a backend delegate (XNNPACK) in the lowered program
+    kvq_kernels: str = "portable"  # "native": the program calls kvq::decode_attention.out
 
     @property
     def cache_bytes(self) -> int:
@@ -66,27 +68,54 @@ def _partitioners(backend: str) -> list:
     return [XnnpackPartitioner(configs=[LinearConfig])]
 
 
+def _native_kvq_kernels(kvq_kernels: str) -> bool:
+    """Whether the program should call the kvq kernel library (see KVQ_KERNELS)."""
+    from kvq_ao.kernels.cpu import executorch_library
+
+    if kvq_kernels not in KVQ_KERNELS:
+        raise ValueError(f"kvq_kernels must be one of {KVQ_KERNELS}, got {kvq_kernels!r}")
+    if kvq_kernels == "portable":
+        return False
+    if executorch_library.load():
+        return True
+    why = executorch_library.failure()
+    if kvq_kernels == "native":
+        raise executorch_library.KernelLibraryError(f"kvq_kernels='native' needs the kvq ExecuTorch kernel library: {why}")
+    warnings.warn(
+        f"kvq_ao: the kvq ExecuTorch kernel library is not available here ({why}); the .pte runs the decode "
+        "attention on ExecuTorch's portable kernels instead (correct, many times slower at long contexts)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
+
+
 def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_len: int = 256,
-                      backend: str = "xnnpack") -> ExportedPte:  # fmt: skip
+                      backend: str = "xnnpack", kvq_kernels: str = "auto") -> ExportedPte:  # fmt: skip
     """Write `path` (.pte): a one-token decode step whose KV cache is packed mutable buffers.
 
     backend: "xnnpack" (linear layers delegated to XNNPACK, the fast default) or "portable"
     (every op on ExecuTorch's portable kernels: slow, but no delegate in the program).
+    kvq_kernels: "native" (the decode attention calls `kvq::decode_attention.out`, the C++ kernel
+    of the kvq ExecuTorch kernel library, which the runner must load), "portable" (the attention
+    decomposed into portable ops: runs anywhere, slowly), or "auto" (native if the library
+    builds on this machine, else portable with a warning).
     """
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.delegate import executorch_call_delegate
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
     partitioners = _partitioners(backend)
+    native = _native_kvq_kernels(kvq_kernels)
     step = DecodeStep(model, config, max_seq_len)
-    program = export_decode_step(step)
+    program = export_decode_step(step, native_attention=native)
     edge = to_edge_transform_and_lower(program, partitioner=partitioners or None, constant_methods={"get_max_seq_len": max_seq_len})
     et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(list(INITIALIZED))]))
     path = Path(path)
     path.write_bytes(et.buffer)
     lowered = et.exported_program()
     delegates = sum(1 for n in lowered.graph.nodes if n.target is executorch_call_delegate)
-    return ExportedPte(path, _mutable_buffers(lowered), delegates)
+    return ExportedPte(path, _mutable_buffers(lowered), delegates, "native" if native else "portable")
 
 
 @contextmanager
@@ -126,17 +155,43 @@ def native_log_to(logger: logging.Logger):
 LOG = logging.getLogger("kvq_ao.executorch")
 
 
+def program_operators(path: str | Path) -> set[str]:
+    """The operators a `.pte`'s methods call, as "namespace::name.overload"."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte = deserialize_pte_binary(Path(path).read_bytes())
+    program = getattr(pte, "program", pte)
+    return {f"{op.name}.{op.overload}" if op.overload else op.name for plan in program.execution_plan for op in plan.operators}
+
+
 class ExecuTorchRunner:
     """Greedy generation with an exported `.pte` in the ExecuTorch python runtime.
 
     The runtime's own log lines while loading go to the `kvq_ao.executorch` logger (INFO), not
     the terminal: `logging.basicConfig(level=logging.INFO)` or `kvq talk --verbose` shows them."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, load_kvq_kernels: bool = True):
+        """load_kvq_kernels: load (building on first use) the kvq ExecuTorch kernel library that
+        `.pte` files exported with native kvq kernels call; False only to see the error a
+        runtime without it gives."""
         from executorch.runtime import Runtime
 
+        from kvq_ao.kernels.cpu import executorch_library
+
+        if load_kvq_kernels:
+            executorch_library.load()
         with native_log_to(LOG):
             self.program = Runtime.get().load_program(Path(path))
+        if not executorch_library.is_loaded() and executorch_library.OP in program_operators(path):
+            why = executorch_library.failure()
+            raise RuntimeError(
+                f"{path} calls {executorch_library.OP}, which the kvq ExecuTorch kernel library implements, and that "
+                "library is not loaded in this process. Load it first with "
+                "`kvq_ao.kernels.cpu.executorch_library.load()` (ExecuTorchRunner does unless load_kvq_kernels=False)"
+                + (f"; here it could not be built: {why}" if why else "")
+                + ", or re-export with kvq_kernels='portable' (`kvq export --kvq-kernels portable`)."
+            )
+        with native_log_to(LOG):
             self.method = self.program.load_method("forward")
             self.max_seq_len = int(self.program.load_method("get_max_seq_len").execute([])[0])
 
@@ -151,4 +206,4 @@ class ExecuTorchRunner:
         return greedy_generate(self.step, prompt_ids, max_new_tokens, self.max_seq_len)
 
 
-__all__ = ["ExecuTorchRunner", "ExportedPte", "export_executorch", "native_log_to"]
+__all__ = ["ExecuTorchRunner", "ExportedPte", "export_executorch", "native_log_to", "program_operators"]

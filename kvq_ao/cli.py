@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from kvq_ao.demo import DEFAULT_BUDGET, DEFAULT_CONFIGS
-from kvq_ao.export import EXECUTORCH_BACKENDS
+from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
 
 
 def _add_model_only_args(p: argparse.ArgumentParser) -> None:
@@ -227,9 +227,9 @@ def cmd_export(args) -> int:
     out = Path(args.out or f"{Path(args.model).stem}-{config.name}.{'pte' if args.format == 'executorch' else 'onnx'}")
     _log(f"exporting {args.model} with {config.name} to {out} (max_seq_len={args.max_seq_len}) ...")
     if args.format == "executorch":
-        result = export_executorch(model, config, out, max_seq_len=args.max_seq_len, backend=args.backend)
-        _log(f"wrote {out} ({args.backend}): KV cache as {len(result.mutable_buffers)} mutable buffers, "
-             f"{result.cache_bytes / 2**20:.2f} MiB")  # fmt: skip
+        result = export_executorch(model, config, out, max_seq_len=args.max_seq_len, backend=args.backend, kvq_kernels=args.kvq_kernels)
+        _log(f"wrote {out} ({args.backend}, {result.kvq_kernels} kvq kernels): KV cache as {len(result.mutable_buffers)} "
+             f"mutable buffers, {result.cache_bytes / 2**20:.2f} MiB")  # fmt: skip
     else:
         export_onnx(model, config, out, max_seq_len=args.max_seq_len)
         _log(f"wrote {out} (+ {out.with_suffix('.cache_init.npz').name}, the empty cache)")
@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--backend", choices=EXECUTORCH_BACKENDS, default=EXECUTORCH_BACKENDS[0],
                    help="ExecuTorch only: linear layers on XNNPACK (fast) or every op on the portable kernels")  # fmt: skip
+    p.add_argument("--kvq-kernels", choices=KVQ_KERNELS, default="auto",
+                   help="ExecuTorch only: decode attention in the kvq kernel library (native C++, built on first use), "
+                        "decomposed into portable ops (runs anywhere, slowly), or native where it builds (auto)")  # fmt: skip
     p.add_argument("--prompt", default=None, help="after exporting, generate an answer with the artifact")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.set_defaults(func=cmd_export)

@@ -191,6 +191,24 @@ def _attention_fake(decode: bool):
 decode_attention.register_fake(_attention_fake(decode=True))
 chunk_attention.register_fake(_attention_fake(decode=False))
 
+# The out variant that ExecuTorch programs call (exported with native kvq kernels, the ExecuTorch
+# kernel library in kernels/cpu/executorch_ops.cpp implements it); in PyTorch it is the
+# functional op written into `out`.
+ATTENTION_OUT_SCHEMA = ATTENTION_SCHEMA.replace(") -> Tensor", ", *, Tensor(a!) out) -> Tensor(a!)")
+_LIB = torch.library.Library("kvq", "FRAGMENT")  # noqa: TOR901  (an overload of an op custom_op defined)
+_LIB.define("decode_attention.out" + ATTENTION_OUT_SCHEMA)
+
+
+@torch.library.impl(_LIB, "decode_attention.out", "CompositeExplicitAutograd")
+def _decode_attention_out(*args, out: torch.Tensor, **kwargs) -> torch.Tensor:
+    return out.copy_(torch.ops.kvq.decode_attention.default(*args, **kwargs))
+
+
+@torch.library.register_fake("kvq::decode_attention.out", lib=_LIB)
+def _decode_attention_out_fake(*args, out: torch.Tensor, **kwargs) -> torch.Tensor:
+    _check_attention(named_arguments(args, kwargs), decode=True)
+    return out
+
 
 def _check_optional(a: dict, prefix: str) -> None:
     bits = a[f"{prefix}_bits"]

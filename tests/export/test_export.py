@@ -53,9 +53,13 @@ def exported(request, tmp_path_factory):
 
 
 def test_executorch_generation_matches_eager_over_prompt_and_decode(exported):
-    from kvq_ao.export.executorch import ExecuTorchRunner
+    """The program calls the native kvq attention (the kvq ExecuTorch kernel library) and matches eager."""
+    from kvq_ao.export.executorch import ExecuTorchRunner, program_operators
 
     cfg, pte, _ = exported
+    assert pte.kvq_kernels == "native"
+    kvq_ops = {op for op in program_operators(pte.path) if op.startswith("kvq::")}
+    assert kvq_ops == {"kvq::decode_attention.out"}
     runner = ExecuTorchRunner(pte.path)
     prompt = torch.randint(3, 128, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     for _ in range(2):  # a second generation reuses the loaded program from position 0
@@ -170,13 +174,41 @@ def test_pte_delegates_its_linear_layers_to_xnnpack_by_default(exported):
     assert pte.delegate_calls == 2 * 4 + 1
 
 
-def test_portable_pte_without_delegates_matches_eager(tmp_path):
-    from kvq_ao.export.executorch import ExecuTorchRunner
+def test_without_the_kvq_kernel_library_auto_falls_back_to_a_portable_pte_that_matches_eager(tmp_path, monkeypatch):
+    """Where the kvq ExecuTorch kernel library cannot be built, "auto" says so and exports the
+    attention decomposed into portable ops (here with no XNNPACK delegate either): it runs anywhere."""
+    from kvq_ao.export.executorch import ExecuTorchRunner, program_operators
+    from kvq_ao.kernels.cpu import executorch_library
 
-    pte = export_executorch(tiny_llama(), SHORT_WINDOW, tmp_path / "p.pte", max_seq_len=MAX_LEN, backend="portable")
-    assert pte.delegate_calls == 0
+    monkeypatch.setitem(executorch_library._state, "loaded", None)
+    monkeypatch.setitem(executorch_library._state, "failed", executorch_library.KernelLibraryError("no g++ here"))
+    with pytest.raises(executorch_library.KernelLibraryError, match="kvq_kernels='native' needs the kvq ExecuTorch kernel library: no g"):
+        export_executorch(tiny_llama(), SHORT_WINDOW, tmp_path / "n.pte", max_seq_len=MAX_LEN, kvq_kernels="native")
+    with pytest.warns(RuntimeWarning, match=r"kernel library is not available here \(no g\+\+ here\); the .pte runs"):
+        pte = export_executorch(tiny_llama(), SHORT_WINDOW, tmp_path / "p.pte", max_seq_len=MAX_LEN, backend="portable")
+    assert pte.delegate_calls == 0 and pte.kvq_kernels == "portable"
+    assert not any(op.startswith("kvq::") for op in program_operators(pte.path))
+    monkeypatch.undo()  # the runner may load the library again: the program does not need it
     prompt = torch.randint(3, 128, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     _generate_and_compare(ExecuTorchRunner(pte.path), SHORT_WINDOW, prompt, "executorch-portable")
+
+
+def test_a_native_pte_without_the_kvq_kernel_library_says_what_to_load(exported):
+    """In a fresh process that does not load the library, loading the program fails with a
+    message naming the op, the library, how to load it and the portable alternative."""
+    import subprocess
+    import sys
+
+    _, pte, _ = exported
+    code = (
+        "from kvq_ao.export.executorch import ExecuTorchRunner\n"
+        f"ExecuTorchRunner({str(pte.path)!r}, load_kvq_kernels=False)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("RuntimeError:") and "calls kvq::decode_attention.out" in message, done.stderr[-2000:]
+    assert "kvq_ao.kernels.cpu.executorch_library.load()" in message and "kvq_kernels='portable'" in message
 
 
 def test_pte_cache_is_packed_and_its_bytes_match_the_memory_report(exported):
