@@ -2,15 +2,22 @@
 
 Variants: eager fp cache (transformers DynamicCache + SDPA), eager kvq (dynamic quantized cache),
 compiled fp (transformers StaticCache + torch.compile), compiled kvq (static quantized cache +
-torch.compile, fused decode attention), ExecuTorch (.pte, linear layers on XNNPACK), onnxruntime (.onnx),
-and transformers' own QuantizedCache (quanto, 4-bit), at several cached-token counts.
+torch.compile, fused decode attention), ExecuTorch (.pte, linear layers on XNNPACK; the kvq decode
+attention in the kvq kernel library, or with `executorch-portable` decomposed into ExecuTorch's
+portable ops), onnxruntime (.onnx), and transformers' own QuantizedCache (quanto, 4-bit), at
+several cached-token counts.
 
 Latency: median wall time of one decode step (one new token, batch 1) over `--steps` steps after
 warm-up, with `--threads` threads. Static-shaped programs (compiled static caches, ExecuTorch,
 ONNX) do the same work at every position of a cache of a given capacity (attention runs over the
-whole capacity under the mask), so they are timed with capacity = cached tokens + steps; the
-ExecuTorch program cannot be filled any faster than one token per call, so it is timed from
-position 0 of such a program.
+whole capacity under the mask), so they are timed with capacity = cached tokens + steps. The
+ExecuTorch programs are exported with the first n tokens' cache stored in them (`prefix_ids`: the
+same chunked prefill as the others, run before export) and timed from position n, like the rest
+(`--portable-at-zero`: the portable program without the prefix, from position 0; its decomposed
+attention covers the whole capacity at every position, so the work is the same).
+
+    python benchmarks/decode_step.py --lengths 512,8192,32768 --preset kivi-4 --skip quanto-4,compiled-fp,onnx \
+        --export-lengths 512,8192,32768 --out results/decode_step_executorch.json
 
 Memory, two figures: the bytes of the KV tensors each variant holds at that length, and the
 process's peak resident memory during the timed decode steps (Linux VmHWM, reset after warm-up
@@ -42,7 +49,8 @@ import torch
 
 from common import machine, save_json, smollm2, stamp
 
-VARIANTS = ("eager-fp", "quanto-4", "compiled-fp", "eager-kvq", "compiled-kvq", "executorch", "onnx")
+VARIANTS = ("eager-fp", "quanto-4", "compiled-fp", "eager-kvq", "compiled-kvq", "executorch", "executorch-portable", "onnx")
+RUNTIMES = ("executorch", "executorch-portable", "onnx")  # exported in a process of their own
 
 
 def static_capacity(n: int, steps: int) -> int:
@@ -92,7 +100,7 @@ def _fp_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def prepare_artifact(variant: str, n: int, preset: str, steps: int, out_dir: Path) -> None:
+def prepare_artifact(variant: str, n: int, preset: str, steps: int, out_dir: Path, portable_at_zero: bool = False) -> None:
     """Export the .pte / .onnx for `n` cached tokens (and, for ONNX, the cache filled to position n
     by an eager decode step of the same format), in a process of its own, so the process that
     times the runtime holds only the runtime and its artifact, as a deployment would."""
@@ -107,9 +115,15 @@ def prepare_artifact(variant: str, n: int, preset: str, steps: int, out_dir: Pat
     cfg = KVQuantConfig.preset(preset)
     quantize_kv_(model, cfg)
     capacity = static_capacity(n, steps)
-    if variant == "executorch":
-        pte = export_executorch(model, cfg, out_dir / f"bench-{n}.pte", max_seq_len=capacity)
-        (out_dir / f"bench-{n}.pte.json").write_text(json.dumps(dict(kv_bytes=pte.cache_bytes)))
+    if variant.startswith("executorch"):
+        ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids[0, :n].tolist()
+        kernels = "portable" if variant == "executorch-portable" else "native"
+        if kernels == "portable" and portable_at_zero:
+            ids = None  # timed from position 0 (see --portable-at-zero)
+        started = time.perf_counter()
+        pte = export_executorch(model, cfg, out_dir / f"bench-{variant}-{n}.pte", max_seq_len=capacity, kvq_kernels=kernels, prefix_ids=ids)
+        meta = {"kv_bytes": pte.cache_bytes, "export_s": round(time.perf_counter() - started, 1), "kvq_kernels": pte.kvq_kernels}
+        (out_dir / f"bench-{variant}-{n}.pte.json").write_text(json.dumps(meta))
     elif variant == "onnx":
         export_onnx(model, cfg, out_dir / f"bench-{n}.onnx", max_seq_len=capacity)
         filled = DecodeStep(model, cfg, capacity)
@@ -133,7 +147,7 @@ def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path
     )
     token = torch.tensor([[42]])
     capacity = static_capacity(n, steps)
-    if variant not in ("executorch", "onnx"):  # the runtimes' processes hold no torch model
+    if variant not in RUNTIMES:  # the runtimes' processes hold no torch model
         model, tok = smollm2(torch.get_num_threads())
         model.set_attn_implementation("sdpa")
         ids = tok(pydoc_text("eval"), return_tensors="pt").input_ids[:, :n]
@@ -163,12 +177,13 @@ def measure_variant(variant: str, n: int, preset: str, steps: int, out_dir: Path
         _prefill(model, cache, ids)
         step = torch.compile(lambda t: model(t, cache=cache).logits, fullgraph=True)
         row = _measure(lambda i: step(token), steps) | dict(kv_bytes=cache.tensor_bytes())
-    elif variant == "executorch":  # the artifact comes from a `prepare` process: this one holds no torch model
+    elif variant.startswith("executorch"):  # the artifact comes from a `prepare` process: this one holds no torch model
         from kvq_ao.export.executorch import ExecuTorchRunner
 
-        meta = json.loads((out_dir / f"bench-{n}.pte.json").read_text())
-        runner = ExecuTorchRunner(out_dir / f"bench-{n}.pte")
-        row = _measure(lambda i: runner.step(42, i), steps) | dict(kv_bytes=meta["kv_bytes"])
+        meta = json.loads((out_dir / f"bench-{variant}-{n}.pte.json").read_text())
+        runner = ExecuTorchRunner(out_dir / f"bench-{variant}-{n}.pte")
+        start = runner.prefix_len  # n, or 0 for a portable program timed from position 0
+        row = _measure(lambda i: runner.step(42, start + i), steps) | meta | {"from_position": start}
     elif variant == "onnx":
         import numpy as np
 
@@ -187,8 +202,8 @@ def _run_in_child(variant: str, n: int, args) -> dict:
     """`measure_variant` in a fresh interpreter (after `prepare_artifact` in another, for the
     runtimes); a failure becomes a row (a peer's failure is a result too)."""
     common = ["--lengths", str(n), "--preset", args.preset, "--steps", str(args.steps), "--threads", str(args.threads),
-              "--work-dir", args.work_dir]  # fmt: skip
-    if variant in ("executorch", "onnx"):
+              "--work-dir", args.work_dir] + (["--portable-at-zero"] if args.portable_at_zero else [])  # fmt: skip
+    if variant in RUNTIMES:
         proc = subprocess.run([sys.executable, __file__, "--prepare", variant, *common], capture_output=True, text=True)
         if proc.returncode != 0:
             return dict(variant=variant, cached_tokens=n, error="export: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:300])
@@ -209,6 +224,10 @@ def main() -> None:
     parser.add_argument("--skip", default="", help=f"comma-separated variants to skip, of {', '.join(VARIANTS)}")
     parser.add_argument("--export-lengths", default="512",
                         help="lengths at which to export and time ExecuTorch/ONNX (each export of SmolLM2 takes minutes)")
+    parser.add_argument("--portable-at-zero", action="store_true",
+                        help="export executorch-portable without the n-token prefix and time it from position 0: its "
+                             "decomposed attention runs over the whole capacity at every position, so the work is the "
+                             "same, and the slow prefill before export is skipped")
     parser.add_argument("--out", default="results/decode_step.json")
     parser.add_argument("--work-dir", default="/tmp/kvq-bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: measure one variant in this process
@@ -218,7 +237,7 @@ def main() -> None:
     out_dir = Path(args.work_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.prepare:
-        prepare_artifact(args.prepare, int(args.lengths), args.preset, args.steps, out_dir)
+        prepare_artifact(args.prepare, int(args.lengths), args.preset, args.steps, out_dir, args.portable_at_zero)
         return
     if args.child:
         print(json.dumps(measure_variant(args.child, int(args.lengths), args.preset, args.steps, out_dir)), flush=True)
@@ -228,7 +247,7 @@ def main() -> None:
     for n in [int(x) for x in args.lengths.split(",")]:
         skip = set(args.skip.split(","))
         if str(n) not in args.export_lengths.split(","):
-            skip |= {"executorch", "onnx"}
+            skip |= set(RUNTIMES)
         for variant in [v for v in VARIANTS if v not in skip]:
             rows.append(_run_in_child(variant, n, args))
             print(json.dumps(rows[-1]), flush=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao import KVQuantConfig
-from kvq_ao.export import EXECUTORCH_BACKENDS, export_executorch, export_onnx
+from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS, export_executorch, export_onnx
 from kvq_ao.export.decoder import DecodeStep, greedy_generate
 from kvq_ao.export.executorch import ExecuTorchRunner
 from kvq_ao.export.onnx import OnnxRunner
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--sink", type=int, default=None, help="override sink_tokens")
     parser.add_argument("--runtimes", default="executorch,onnx", help="comma list; empty for none")
     parser.add_argument("--backend", default=EXECUTORCH_BACKENDS[0], choices=EXECUTORCH_BACKENDS, help="ExecuTorch backend")
+    parser.add_argument("--kvq-kernels", default="native", choices=KVQ_KERNELS, help="ExecuTorch: kvq attention native or portable")
     parser.add_argument("--noise-floor", action="store_true", help="add the eager-vs-eager float64-linears row")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -105,7 +106,7 @@ def main() -> None:
             path = out_dir / f"smollm2-{preset}.{'pte' if runtime == 'executorch' else 'onnx'}"
             t0 = time.perf_counter()
             if runtime == "executorch":
-                export_executorch(model, cfg, path, max_seq_len=128, backend=args.backend)
+                pte = export_executorch(model, cfg, path, max_seq_len=128, backend=args.backend, kvq_kernels=args.kvq_kernels)
                 runner = ExecuTorchRunner(path)
             else:
                 export_onnx(model, cfg, path, max_seq_len=128)
@@ -113,7 +114,7 @@ def main() -> None:
             export_s = time.perf_counter() - t0
             new, logits = runner.generate(ids, 32)
             eager, step = eager_run(model, cfg, ids + new[:-1])
-            label = f"executorch-{args.backend}" if runtime == "executorch" else runtime
+            label = f"executorch-{args.backend}-{pte.kvq_kernels}-kvq" if runtime == "executorch" else runtime
             row = dict(preset=cfg.name, body_end_layer0=int(step.cache.layers[0].body_end), runtime=label,
                        export_s=round(export_s, 1), **compare(logits, eager, len(ids), new),
                        text=tok.decode(new, skip_special_tokens=True))  # fmt: skip

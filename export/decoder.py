@@ -69,9 +69,24 @@ class DecodeStep(torch.nn.Module):
         self.cache = make_cache(model, config, max_cache_len=max_seq_len)
         _, kv_heads, head_dim = model_dims(model)
         self.cache.early_initialization(1, kv_heads, head_dim, model.dtype, model.device)
+        self.prefix_len = 0  # tokens already in the cache (fill)
         for i, layer in enumerate(self.cache.layers):
             for name, tensor in _layer_tensors(layer).items():
                 self.register_buffer(f"layer{i}_{name}", tensor, persistent=False)
+
+    @torch.no_grad()
+    def fill(self, prefix_ids: list[int], chunk: int = 512) -> None:
+        """Run the model over `prefix_ids` (chunks of `chunk` tokens) so the cache holds them: what an
+        exported program whose buffers are initialized from this module starts from."""
+        if not 0 < len(prefix_ids) < self.max_seq_len:
+            raise ValueError(f"a prefix needs 1 to max_seq_len - 1 = {self.max_seq_len - 1} tokens, got {len(prefix_ids)}")
+        ids = torch.tensor([prefix_ids], dtype=torch.long)
+        for start in range(0, ids.shape[1], chunk):
+            self.model(input_ids=ids[:, start : start + chunk], cache=self.cache, use_cache=True)
+        for i, layer in enumerate(self.cache.layers):  # appends may have replaced tensors: re-register
+            for name, tensor in _layer_tensors(layer).items():
+                setattr(self, f"layer{i}_{name}", tensor)
+        self.prefix_len = len(prefix_ids)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         for layer in self.cache.layers:
@@ -108,29 +123,32 @@ def export_decode_step(step: torch.nn.Module, decompose: bool = True, native_att
     return program.run_decompositions(table)
 
 
-def check_prompt(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
+def check_prompt(prompt_len: int, max_new_tokens: int, max_seq_len: int, start: int = 0) -> None:
     if prompt_len == 0:
         raise ValueError("the prompt is empty")
-    if prompt_len + max_new_tokens > max_seq_len:
+    if start + prompt_len + max_new_tokens > max_seq_len:
+        after = f" after a {start}-token prefix" if start else ""
         raise ValueError(
-            f"prompt ({prompt_len} tokens) + {max_new_tokens} new tokens exceeds the exported max_seq_len={max_seq_len}"
+            f"prompt ({prompt_len} tokens) + {max_new_tokens} new tokens{after} exceeds the exported max_seq_len={max_seq_len}"
         )
 
 
-def greedy_generate(step, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Feed the prompt one token at a time through `step(token, position) -> logits`, then greedy.
+def greedy_generate(step, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int,
+                    start: int = 0) -> tuple[list[int], list[torch.Tensor]]:  # fmt: skip
+    """Feed the prompt one token at a time through `step(token, position) -> logits` from position
+    `start` (after a prefix already in the cache), then greedy.
 
     Returns (new token ids, logits of every step: prompt tokens then generated ones).
     """
-    check_prompt(len(prompt_ids), max_new_tokens, max_seq_len)
+    check_prompt(len(prompt_ids), max_new_tokens, max_seq_len, start)
     logits, new = [], []
     for pos, tok in enumerate(prompt_ids):
-        logits.append(step(tok, pos))
+        logits.append(step(tok, start + pos))
     for i in range(max_new_tokens):
         tok = int(logits[-1].argmax())
         new.append(tok)
         if i + 1 < max_new_tokens:
-            logits.append(step(tok, len(prompt_ids) + i))
+            logits.append(step(tok, start + len(prompt_ids) + i))
     return new, logits
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from kvq_ao.kernels.cpu import CFLAGS, HEADERS, _cpu_identity
+from kvq_ao.kernels.cpu import CFLAGS, HEADERS, _cpu_identity, enabled
 
 SOURCE = "executorch_ops.cpp"
 LIBRARY = "libkvq_executorch.so"
@@ -73,7 +74,7 @@ def build(verbose: bool = False) -> Path:
     if not (include / "executorch" / "runtime" / "kernel" / "operator_registry.h").exists() or not (lib / "libexecutorch.so").exists():
         raise KernelLibraryError(f"the executorch wheel at {root} ships no kernel headers or libexecutorch.so (needed to build custom kernels)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial.so")
+    partial = path.with_name(f"{LIBRARY}.{os.getpid()}.partial")  # one per builder: concurrent builds do not clobber
     command = [
         compiler, *CFLAGS, "-std=c++17", "-fPIC", "-shared",
         f"-I{include}", f"-I{include / 'executorch/runtime/core/portable_type/c10'}",
@@ -99,6 +100,9 @@ def load(build_if_missing: bool = True) -> bool:
     if _state["loaded"] is not None:
         return True
     if _state["failed"] is not None:
+        return False
+    if not enabled():
+        _state["failed"] = KernelLibraryError("native kernels are turned off (KVQ_AO_NATIVE=0)")
         return False
     try:
         path = build() if build_if_missing else library_path()

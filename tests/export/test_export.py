@@ -317,3 +317,28 @@ def test_runtime_log_lines_go_to_the_logger_not_the_terminal(exported):
     native = [line for line in routed.stderr.splitlines() if ".cpp:" in line]
     assert native, "the runtime logged nothing on load here: this check needs its log lines to route"
     assert all(line.startswith("INFO:kvq_ao.executorch:") for line in native), native
+
+
+def test_a_pte_exported_with_a_prefix_starts_from_its_cache_and_matches_eager(tmp_path):
+    """The cache of a 40-token prefix is stored in the program; generation continues at position 40
+    and matches an eager decode step filled the same way; a second generation is refused."""
+    from kvq_ao.export.executorch import ExecuTorchRunner
+
+    tokens = torch.randint(3, 128, (56,), generator=torch.Generator().manual_seed(2)).tolist()
+    prefix, prompt = tokens[:40], tokens[40:]
+    pte = export_executorch(tiny_llama(), SHORT_WINDOW, tmp_path / "prefix.pte", max_seq_len=MAX_LEN, prefix_ids=prefix)
+    runner = ExecuTorchRunner(pte.path)
+    assert runner.prefix_len == 40
+    new, logits = runner.generate(prompt, 12)
+    step = DecodeStep(tiny_llama(), SHORT_WINDOW, MAX_LEN)
+    step.fill(prefix)
+    assert int(step.cache.layers[0].body_end) > 0  # the prefix went into packed codes
+    with torch.no_grad():
+        eager = [step(torch.tensor([[t]]), torch.tensor([40 + i]))[0, -1] for i, t in enumerate(prompt + new[:-1])]
+    diff = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(logits, eager))
+    assert diff < 1e-3
+    assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
+    with pytest.raises(RuntimeError, match="generates once per load"):
+        runner.generate(prompt, 4)
+    with pytest.raises(ValueError, match="after a 40-token prefix exceeds the exported max_seq_len=96"):
+        ExecuTorchRunner(pte.path).generate(prompt, 50)
