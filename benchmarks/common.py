@@ -6,6 +6,8 @@ raw rows under results/ with the date and the machine, and prints the table the 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -53,3 +55,19 @@ def save_json(path: str | Path, payload) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS: resident now, VmHWM: peak) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status: peak memory needs Linux")
+
+
+def reset_peak() -> float:
+    """Return freed heap to the OS and restart the kernel's high-water mark; the resident MiB now."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_mib("VmRSS")

@@ -35,8 +35,6 @@ just before them: what a decode step allocates beyond what is already held.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import statistics
 import subprocess
@@ -47,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from common import machine, save_json, smollm2, stamp
+from common import machine, reset_peak, save_json, smollm2, stamp, status_mib
 
 VARIANTS = ("eager-fp", "quanto-4", "compiled-fp", "eager-kvq", "compiled-kvq", "executorch", "executorch-portable", "onnx")
 RUNTIMES = ("executorch", "executorch-portable", "onnx")  # exported in a process of their own
@@ -59,33 +57,18 @@ def static_capacity(n: int, steps: int) -> int:
     return n + steps + 4
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status: peak memory needs Linux")
-
-
-def _reset_peak() -> float:
-    """Return freed heap to the OS and restart the kernel's high-water mark; the resident MiB now."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_mib("VmRSS")
-
-
 def _measure(step, steps: int, warmup: int = 2) -> dict:
     """Median ms of `step(i)` over `steps` calls after `warmup` calls (compilation happens there),
     with the peak resident memory of the timed calls."""
     for i in range(warmup):
         step(i)
-    rss_before = _reset_peak()
+    rss_before = reset_peak()
     times = []
     for i in range(warmup, warmup + steps):
         t0 = time.perf_counter()
         step(i)
         times.append(1000 * (time.perf_counter() - t0))
-    peak = _status_mib("VmHWM")
+    peak = status_mib("VmHWM")
     return dict(ms_per_token=statistics.median(times), peak_rss_mib=peak, step_mib=peak - rss_before)
 
 

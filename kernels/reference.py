@@ -18,8 +18,11 @@ Cache layout read by `attention` (one layer, one of K or V):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from kvq_ao import masks
 from kvq_ao.quant.codebook import dequantize_codebook, quantize_codebook
 from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
@@ -162,6 +165,8 @@ def attention(
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if masks.is_bounds(mask):
+        mask = masks.dense(mask, k_codes.shape[2])
     for_inductor, matmul = target == "inductor", target == "eager"
     realize = _into_buffer if for_inductor else _unchanged
     q = realize(q)
@@ -224,4 +229,107 @@ def attention(
     return out.to(q.dtype)
 
 
-__all__ = ["attention", "dequantize", "quantize", "TARGETS"]
+STREAM_SCORES = 2**22  # query rows x block positions of one block's scores (16 MiB of float32)
+STREAM_BLOCK = (256, 8192)  # the range of body positions dequantized at once by `streaming_attention`
+
+
+def _body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, start: int, end: int):
+    """Positions [start, end) of one operand's body (start and end on its per-channel group grid)."""
+    rows = (start // group, end // group) if axis == 1 and scale.numel() else (start, end)
+    cut = lambda t, a, b: t[:, :, a:b] if t.dim() == 4 else t  # noqa: E731  (empty placeholders stay)
+    return cut(codes, start, end), cut(scale, *rows), cut(zero, *rows), cut(out_val, start, end), cut(out_idx, start, end)
+
+
+def _block_attention(q, k, v, ok, scaling: float, softcap: float):
+    """Softmax attention of query rows q [B, Hkv, R, D] over one block of keys/values [B, Hkv, L, D]
+    where `ok` [B, 1 or Hkv, R, L] allows -> (out [B, Hkv, R, Dv], logsumexp [B, Hkv, R]); rows with
+    nothing allowed get out 0 and logsumexp -inf. On CPU without soft-capping this is ATen's flash
+    attention kernel (it returns the logsumexp a split softmax needs); otherwise written out."""
+    anything = ok.any(-1)  # [B, 1 or Hkv, R]
+    if q.device.type == "cpu" and softcap <= 0:
+        mask = None if bool(ok.all()) else torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scaling)
+    else:
+        scores = _capped(torch.matmul(q, k.transpose(-1, -2)) * scaling, softcap).masked_fill(~ok, float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        p = torch.exp(scores - top)
+        total = p.sum(-1, keepdim=True)
+        out = torch.matmul(p, v) / torch.where(total > 0, total, torch.ones_like(total))
+        lse = (top + torch.log(total)).squeeze(-1)
+    out = torch.where(anything.unsqueeze(-1), out, torch.zeros_like(out))
+    return out, torch.where(anything, lse, torch.full_like(lse, float("-inf")))
+
+
+def streaming_attention(
+    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook, v_out_val,
+    v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start: int, scaling: float,
+    rope_scale: float, k_bits: int, k_axis: int, k_group: int, v_bits: int, v_axis: int, v_group: int,
+    softcap: float = 0.0, block: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`attention` for any number of queries, computed block by block (eager only: Python loop).
+
+    The readable body [body_start, body_end) is cut into blocks (`block` positions, by default as
+    many as keep one block's scores near STREAM_SCORES); each block is dequantized once per kv head
+    (GQA: all its query heads are rows of one attention), attended by every query under its mask,
+    and the blocks' results are merged by their log-sum-exp (split softmax); the side store is one
+    more block. Blocks no query may read (past the last query's causal bound, before the first
+    one's sliding window) are skipped, and a block every query may read wholly gets no mask. Peak
+    memory is one block's float K/V and scores, never the float cache; with a bounds mask
+    (`kvq_ao.masks`) never a [Tq, T] mask either.
+    """
+    b, hq, tq, d = q.shape
+    hkv, t = k_codes.shape[1], k_codes.shape[2]
+    n = hq // hkv
+    dv = side_v.shape[-1]
+    bounded = masks.is_bounds(mask)
+    pre_rope = rope_inv_freq.numel() > 0
+    rows = n * tq
+    qg = q.float().reshape(b, hkv, rows, d)  # kv head h's query heads, each with its tq queries
+
+    def readable(positions: torch.Tensor) -> torch.Tensor:
+        """bool [B, 1 or Hkv, n * Tq, L]: which (query head, query) may read which of `positions`."""
+        m = masks.allowed(mask, positions) if bounded else mask.index_select(-1, positions)
+        heads = m.shape[1] // n if m.shape[1] > 1 else 1  # mask heads: 1 (shared) or Hq
+        return m.reshape(b, heads, -1, tq, positions.numel()).expand(b, heads, n, tq, -1).reshape(b, heads, rows, -1)
+
+    acc = qg.new_zeros((b, hkv, rows, dv))
+    acc_lse = qg.new_full((b, hkv, rows), float("-inf"))
+
+    def merge(keys: torch.Tensor, values: torch.Tensor, ok: torch.Tensor) -> None:
+        nonlocal acc, acc_lse
+        out, lse = _block_attention(qg, keys, values, ok, scaling, softcap)
+        total = torch.logaddexp(acc_lse, lse)
+        base = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+        acc = acc * torch.exp(acc_lse - base).unsqueeze(-1) + out * torch.exp(lse - base).unsqueeze(-1)
+        acc_lse = total
+
+    lo, hi = body_start, int(body_end)
+    if bounded:  # only blocks some query may read
+        lo, hi = max(lo, int(mask[..., 0].min())), min(hi, int(mask[..., 1].max()))
+    grid = math.lcm(*(group for axis, group, bits in ((k_axis, k_group, k_bits), (v_axis, v_group, v_bits))
+                      if bits and axis == 1))  # per-channel groups: slices start and end on their grid  # fmt: skip
+    if block is None:
+        block = min(max(STREAM_SCORES // rows, STREAM_BLOCK[0]), STREAM_BLOCK[1])
+    step = max(grid, block // grid * grid)
+    for start in range(lo // grid * grid, hi, step):
+        end = min(start + step, t)
+        kc, ks, kz, kov, koi = _body_slice(k_codes, k_scale, k_zero, k_out_val, k_out_idx, k_axis, k_group, start, end)
+        vc, vs, vz, vov, voi = _body_slice(v_codes, v_scale, v_zero, v_out_val, v_out_idx, v_axis, v_group, start, end)
+        k = dequantize(kc, ks, kz, k_codebook, kov, koi, k_bits, k_axis, k_group, torch.float32)
+        v = dequantize(vc, vs, vz, v_codebook, vov, voi, v_bits, v_axis, v_group, torch.float32)
+        positions = torch.arange(start, end, device=q.device)
+        if pre_rope:
+            k = rotate(k, positions, rope_inv_freq, rope_scale)
+        in_body = ((positions >= body_start) & (positions < body_end)).view(1, 1, 1, -1)
+        merge(k, v, readable(positions) & in_body)
+    if side_pos.numel():
+        sk, sv = side_k.float(), side_v.float()
+        if pre_rope:
+            sk = rotate(sk, side_pos.clamp(min=0), rope_inv_freq, rope_scale)
+        side_ok = ((side_pos >= 0) & ((side_pos < body_start) | (side_pos >= body_end))).view(1, 1, 1, -1)
+        merge(sk, sv, readable(side_pos.clamp(min=0)) & side_ok)
+    return acc.reshape(b, hq, tq, dv).to(q.dtype)
+
+
+__all__ = ["attention", "dequantize", "quantize", "streaming_attention", "STREAM_BLOCK", "TARGETS"]

@@ -13,6 +13,7 @@ No model code is patched; `model.kvq_config` records the config.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -26,6 +27,8 @@ from kvq_ao.cache import QuantizedKVCache
 from kvq_ao.calibration import for_model
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.kernels import cpu as native_cpu
+from kvq_ao.masks import dense as dense_mask
+from kvq_ao.masks import interval_bounds, is_bounds
 from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.ops import enable_inductor_fusion
 from kvq_ao.tensor import QuantizedKV
@@ -50,24 +53,44 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     """
     if not isinstance(key, QuantizedKV):
         if softcap:
+            if attention_mask is not None and is_bounds(attention_mask):
+                attention_mask = dense_mask(attention_mask, key.shape[2])
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
             if eager is None:
                 raise ValueError(f"{type(module).__name__} soft-caps its attention logits but its module defines no "
                                  "eager_attention_forward to run them in float; SDPA cannot cap them")  # fmt: skip
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
+        if attention_mask is not None and is_bounds(attention_mask):  # float K/V: SDPA needs the dense mask
+            attention_mask = dense_mask(attention_mask, key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if torch.compiler.is_compiling() and not torch._dynamo.config.assume_static_by_default:
         raise RuntimeError(DYNAMIC_COMPILE_ERROR)
-    if attention_mask is None or attention_mask.dtype != torch.bool:
-        raise RuntimeError("kvq attention expects the boolean 4-D mask built by the 'kvq' mask function")
+    if attention_mask is None or attention_mask.dtype not in (torch.bool, torch.int64):
+        raise RuntimeError("kvq attention expects the mask built by the 'kvq' mask function (bool, or int64 key-position bounds)")
+    if query.shape[2] == 1 and is_bounds(attention_mask):
+        attention_mask = dense_mask(attention_mask, key.shape[2])
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = quantized_attention(query, key, value, attention_mask, scaling, float(softcap or 0.0))
     return out.transpose(1, 2).contiguous(), None
 
 
+_SDPA_MASK_SIGNATURE = inspect.signature(sdpa_mask)
+
+
 def kvq_mask(*args, **kwargs):
-    """SDPA's boolean mask, never skipped: the kvq op always needs the explicit mask."""
+    """The mask the kvq ops read: for a chunk of queries, key-position bounds [batch, 1, q_len, 2]
+    (`kvq_ao.masks`) wherever the mask is causal or sliding-window over left padding, so no
+    [q_len, kv_len] tensor is built; otherwise, and for one query token, SDPA's boolean mask,
+    never skipped (the kvq ops always need an explicit mask)."""
     kwargs["allow_is_causal_skip"] = False
+    a = _SDPA_MASK_SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    a = a.arguments
+    if a["q_length"] > 1 and not torch.compiler.is_compiling() and not a["use_vmap"]:
+        bounds = interval_bounds(a["batch_size"], a["q_length"], a["q_offset"], a["kv_offset"], a["mask_function"],
+                                 a["attention_mask"], a["local_size"], a["device"])  # fmt: skip
+        if bounds is not None:
+            return bounds
     return sdpa_mask(*args, **kwargs)
 
 
@@ -82,13 +105,15 @@ def register_attention() -> None:
         AttentionMaskInterface.register(ATTN_NAME, kvq_mask)
 
 
-def make_cache(model, config: KVQuantConfig | None = None, max_cache_len: int | None = None) -> QuantizedKVCache:
-    """A fresh quantized cache for `model` (static when max_cache_len is given)."""
+def make_cache(model, config: KVQuantConfig | None = None, max_cache_len: int | None = None,
+               reserve: int | None = None) -> QuantizedKVCache:  # fmt: skip
+    """A fresh quantized cache for `model`: static when max_cache_len is given, else dynamic with room
+    for `reserve` tokens up front (it grows past them)."""
     config = config or getattr(model, "kvq_config", None)
     if config is None:
         raise ValueError("no config: pass one or call quantize_kv_(model, config) first")
     check_model(model, config)
-    return QuantizedKVCache(config, model_dims(model)[0], max_cache_len=max_cache_len,
+    return QuantizedKVCache(config, model_dims(model)[0], max_cache_len=max_cache_len, reserve=reserve,
                             calibration=calibration_for(model, config), rope=rope_for(model, config))  # fmt: skip
 
 
@@ -128,17 +153,30 @@ def quantize_kv_(model, config: KVQuantConfig):
     return model
 
 
+PREFILL_CHUNK = 2048  # generate()'s default prefill chunk with a dynamic quantized cache (prefill_chunk_size= overrides)
+
+
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
-    """generate() hook: build a QuantizedKVCache unless the caller brought a cache."""
+    """generate() hook: build a QuantizedKVCache unless the caller brought a cache.
+
+    A dynamic cache also gets chunked prefill by default (transformers' `prefill_chunk_size`, here
+    PREFILL_CHUNK tokens unless the caller set it): a long prompt goes through the model and into
+    the quantized cache a chunk at a time, so the prompt's float activations and K/V never exist
+    at once. (Static caches keep transformers' default: a compiled prefill would compile a graph
+    per chunk shape.)"""
     if model_kwargs.get("cache") is None and getattr(self, "kvq_config", None) is not None:
         static = generation_config.cache_implementation == "static" or generation_config.compile_config is not None
+        if not static and generation_config.prefill_chunk_size is None:
+            generation_config.prefill_chunk_size = PREFILL_CHUNK
         if generation_config.cache_implementation not in (None, "dynamic", "static"):
             raise ValueError(
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with the kvq_ao cache; "
                 "use None, 'dynamic' or 'static'"
             )
         generation_config.cache_implementation = None
-        model_kwargs["cache"] = make_cache(self, self.kvq_config, max_cache_len=max_cache_length if static else None)
+        # static: exactly prompt + max_new_tokens; dynamic: that much reserved up front (no growth copies)
+        model_kwargs["cache"] = make_cache(self, self.kvq_config, max_cache_len=max_cache_length if static else None,
+                                           reserve=None if static else max_cache_length)  # fmt: skip
     return self._kvq_original_prepare_cache(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
 
@@ -167,4 +205,4 @@ def compile_config(fullgraph: bool = True, mode: str = "default"):
     return cc
 
 
-__all__ = ["compile_config", "make_cache", "quantize_kv_", "register_attention", "kvq_attention_forward", "kvq_mask", "ATTN_NAME"]
+__all__ = ["PREFILL_CHUNK", "compile_config", "make_cache", "quantize_kv_", "register_attention", "kvq_attention_forward", "kvq_mask", "ATTN_NAME"]

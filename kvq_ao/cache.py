@@ -32,7 +32,8 @@ from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.rope import unrotate
 from kvq_ao.tensor import QuantizedKV
 
-_GROWTH = 256  # dynamic caches grow their body in steps of this many tokens
+_GROWTH_STEP = 256  # a dynamic cache's capacity is a multiple of this many tokens (and of its block)
+_GROWTH_FACTOR = 1.5  # ...and grows at least this much at a time, so appending n tokens copies O(n) bytes
 
 
 def _op_format(spec: QuantSpec) -> tuple[int, int, int]:
@@ -158,7 +159,13 @@ class _BodyStore:
 
 
 class QuantizedLayer(CacheLayerMixin):
-    """One attention layer's quantized cache. Grows on demand unless `max_cache_len` is set."""
+    """One attention layer's quantized cache.
+
+    `max_cache_len` fixes its capacity (appending past it is an error). Otherwise it starts with
+    room for `reserve` tokens (`generate()` reserves the prompt plus max_new_tokens: allocated,
+    and zeroed, once) and grows geometrically past that: a growth copies the body once, so the
+    copying is amortized O(1) per token, never quadratic in the length.
+    """
 
     is_compileable = False
     is_sliding = False
@@ -166,7 +173,7 @@ class QuantizedLayer(CacheLayerMixin):
     def __init__(self, spec: LayerKV, sink_tokens: int = 0, residual_length: int = 0,
                  scale_dtype: str = "float16", max_cache_len: int | None = None,
                  calibration: tuple[TensorCalibration | None, TensorCalibration | None] = (None, None),
-                 rope: tuple[torch.Tensor, float] | None = None):  # fmt: skip
+                 rope: tuple[torch.Tensor, float] | None = None, reserve: int | None = None):  # fmt: skip
         super().__init__()
         self.spec = spec
         self.calibration = calibration
@@ -183,6 +190,9 @@ class QuantizedLayer(CacheLayerMixin):
                 raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
             max_cache_len = math.ceil(max_cache_len / self.block) * self.block
         self.max_cache_len = max_cache_len
+        if reserve is not None and reserve < 0:
+            raise ValueError(f"reserve must be >= 0 tokens, got {reserve}")
+        self.reserve = reserve or 0
         self.cumulative_length: int | torch.Tensor = 0
         self.capacity = 0
 
@@ -217,8 +227,11 @@ class QuantizedLayer(CacheLayerMixin):
     def _capacity_for(self, length: int) -> int:
         if self.max_cache_len is not None:
             return self.max_cache_len
-        step = math.lcm(_GROWTH, self.block)
-        return max(self.capacity, math.ceil(length / step) * step)
+        if length <= self.capacity:
+            return self.capacity
+        step = math.lcm(_GROWTH_STEP, self.block)
+        want = max(length, self.reserve) if self.capacity == 0 else max(length, self.capacity * _GROWTH_FACTOR)
+        return math.ceil(want / step) * step
 
     def _without_sink(self, x: torch.Tensor, first_pos) -> torch.Tensor:
         """Hide sink tokens from per-channel group ranges by standing in their block's last token."""
@@ -251,6 +264,21 @@ class QuantizedLayer(CacheLayerMixin):
         positions = self.cumulative_length + torch.arange(k.shape[2], device=k.device)
         return unrotate(k.float(), positions, self.rope_inv_freq, self.rope_scale).to(k.dtype)
 
+    def ensure_capacity(self, length: int, exact: bool = False) -> None:
+        """Make the body hold at least `length` tokens: grown geometrically, or to `length` rounded
+        up to the growth step when `exact` (to allocate once ahead of a known length)."""
+        if not self.is_initialized:
+            raise RuntimeError("ensure_capacity needs an initialized layer (after its first update)")
+        step = math.lcm(_GROWTH_STEP, self.block)
+        capacity = math.ceil(length / step) * step if exact else self._capacity_for(length)
+        if capacity > self.capacity:
+            if self.max_cache_len is not None:
+                raise ValueError(f"static KV cache overflow: {length} tokens requested but the cache was built with "
+                                 f"max_cache_len={self.max_cache_len}")  # fmt: skip
+            self.k_body.grow(capacity)
+            self.v_body.grow(capacity)
+            self.capacity = capacity
+
     def _append_eager(self, k: torch.Tensor, v: torch.Tensor) -> None:
         old = int(self.cumulative_length)
         new = old + k.shape[2]
@@ -258,11 +286,7 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"static KV cache overflow: {new} tokens requested but the cache was built with max_cache_len={self.max_cache_len}"
             )
-        capacity = self._capacity_for(new)
-        if capacity > self.capacity:
-            self.k_body.grow(capacity)
-            self.v_body.grow(capacity)
-            self.capacity = capacity
+        self.ensure_capacity(new)
         b_old, b_new = self._boundary(old), self._boundary(new)
         if b_new > b_old:
             held = torch.arange(b_old, old, device=self.device)
@@ -431,11 +455,12 @@ class QuantizedStaticLayer(QuantizedLayer):
 class QuantizedKVCache(Cache):
     """A transformers `Cache` whose layers store K/V as `config` says, one spec per layer.
 
-    Pass `max_cache_len` for the static (preallocated, compileable) variant.
+    Pass `max_cache_len` for the static (preallocated, compileable) variant; a dynamic cache
+    reserves room for `reserve` tokens up front and grows geometrically past it.
     """
 
     def __init__(self, config: KVQuantConfig, num_layers: int, max_cache_len: int | None = None,
-                 calibration=None, rope: tuple[torch.Tensor, float] | None = None):  # fmt: skip
+                 calibration=None, rope: tuple[torch.Tensor, float] | None = None, reserve: int | None = None):  # fmt: skip
         specs = config.resolve(num_layers)
         if config.needs_calibration and calibration is None:
             raise ValueError(f"config {config.name!r} uses calibrated datatypes or outliers: pass calibration= "
@@ -451,7 +476,7 @@ class QuantizedKVCache(Cache):
             return calibration.layer(i) if calibration is not None else (None, None)
 
         if max_cache_len is None:
-            layers = [QuantizedLayer(s, calibration=layer_calib(i), **common) for i, s in enumerate(specs)]
+            layers = [QuantizedLayer(s, calibration=layer_calib(i), reserve=reserve, **common) for i, s in enumerate(specs)]
         else:
             layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, calibration=layer_calib(i), **common)
                       for i, s in enumerate(specs)]  # fmt: skip

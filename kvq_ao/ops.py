@@ -173,9 +173,14 @@ def decode_attention(*args, **kwargs) -> torch.Tensor:
 
 @torch.library.custom_op("kvq::chunk_attention", mutates_args=(), schema=ATTENTION_SCHEMA)
 def chunk_attention(*args, **kwargs) -> torch.Tensor:
-    """Attention of a chunk of queries q [B, Hq, Tq, D] (prefill) over one layer's quantized cache."""
-    _check_attention(named_arguments(args, kwargs), decode=False)
-    return run_reference(args, kwargs, target="eager")
+    """Attention of a chunk of queries q [B, Hq, Tq, D] (prefill, speculative or batched steps) over
+    one layer's quantized cache -> [B, Hq, Tq, Dv].
+
+    Streams: blocks of the body are dequantized one at a time and merged with an online softmax
+    (kernels/reference.py, `streaming_attention`), so neither the float cache nor, with an int64
+    bounds mask [B, 1, Tq, 2] (`kvq_ao.masks`), a [Tq, T] mask is ever held."""
+    named = _check_attention(named_arguments(args, kwargs), decode=False)
+    return reference.streaming_attention(**reference_arguments(named))
 
 
 def _attention_fake(decode: bool):
@@ -254,9 +259,14 @@ def _check_attention(a: dict, decode: bool) -> dict:
         raise ValueError(f"kvq attention: query head_dim {q.shape[-1]} != key head_dim {side_k.shape[-1]}")
     if side_v.shape[:3] != side_k.shape[:3] or v_codes.shape[:3] != k_codes.shape[:3]:
         raise ValueError("kvq attention: keys and values must cover the same batch, heads and tokens")
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] not in (1, hq) or mask.shape[2] != q.shape[2]:
-        raise ValueError("kvq attention: mask must be a 4-D bool tensor [batch, 1 or heads, q_len, kv_len]")
-    if mask.shape[-1] != k_codes.shape[2]:
+    if mask.dtype == torch.int64 and not decode:  # key-position bounds (kvq_ao.masks)
+        if list(mask.shape) != [q.shape[0], 1, q.shape[2], 2]:
+            raise ValueError(f"kvq attention: int64 mask bounds must be [batch, 1, q_len, 2] = {[q.shape[0], 1, q.shape[2], 2]}, "
+                             f"got {list(mask.shape)}")  # fmt: skip
+    elif mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] not in (1, hq) or mask.shape[2] != q.shape[2]:
+        raise ValueError("kvq attention: mask must be a 4-D bool tensor [batch, 1 or heads, q_len, kv_len]"
+                         + ("" if decode else " or int64 key-position bounds [batch, 1, q_len, 2]"))  # fmt: skip
+    elif mask.shape[-1] != k_codes.shape[2]:
         raise ValueError(f"kvq attention: mask covers {mask.shape[-1]} positions but the cache holds {k_codes.shape[2]}")
     if side_pos.dim() != 1 or side_pos.shape[0] != side_k.shape[2] or side_pos.dtype != torch.int64:
         raise ValueError("kvq attention: side_pos must be int64 [side_len] matching side_k's token axis")

@@ -1,0 +1,152 @@
+"""Streaming multi-token attention (`kvq.chunk_attention`) and key-position bounds masks.
+
+The streaming kernel is checked against the float64 reference on random data for every format,
+causal / sliding-window / left-padded masks given as bounds or dense, chunk sizes 1-512 and
+block sizes that cut the body into many pieces; the bounds are checked against the dense masks
+transformers builds.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.masking_utils import (
+    causal_mask_function,
+    chunked_causal_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+
+from attention_cases import operand, reference_attention
+from kvq_ao import masks
+from kvq_ao.kernels.reference import streaming_attention
+from kvq_ao.ops import reference_arguments
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+
+FORMATS = [  # (bits, axis, codebook, outliers)
+    (0, AXIS_TOKEN, False, 0),
+    (2, AXIS_CHANNEL, False, 0),
+    (3, AXIS_CHANNEL, True, 1),
+    (4, AXIS_TOKEN, False, 0),
+    (2, AXIS_TOKEN, True, 2),
+    (8, AXIS_CHANNEL, False, 0),
+    (4, AXIS_CHANNEL, False, 1),
+]
+
+
+def bounds_for(batch: int, q_pos: torch.Tensor, pad: list[int], window: int | None) -> torch.Tensor:
+    lo = torch.tensor(pad).view(-1, 1).expand(batch, q_pos.numel())
+    if window:
+        lo = torch.maximum(lo, q_pos.view(1, -1) - window + 1)
+    hi = (q_pos + 1).view(1, -1).expand(batch, -1)
+    return torch.stack([torch.minimum(lo, hi), hi], -1).unsqueeze(1)
+
+
+def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(0, 0), pre_rope=False, softcap=0.0,
+                   length=None, sink=1, residual=7):  # fmt: skip
+    """A layer's cache of `length` tokens (capacity rounded up to 16s) with `tq` queries at its end:
+    sink position 0 and the last `residual`-ish positions in the side store, the rest in the body."""
+    g = torch.Generator().manual_seed(seed)
+    length = length or max(tq, 1) + 40
+    t = -(-length // 16) * 16 + 16
+    body_end = max((length - residual) // 16 * 16, 0)
+    side = [0] + list(range(max(body_end, 1), length)) if sink else list(range(body_end, length))
+    side_pos = torch.tensor(side + [-1])  # one empty slot
+    named = dict(q=torch.randn(2, hq, tq, d, generator=g), side_k=torch.randn(2, hkv, len(side_pos), d, generator=g),
+                 side_v=torch.randn(2, hkv, len(side_pos), d, generator=g), side_pos=side_pos,
+                 body_end=torch.tensor(body_end), body_start=sink, scaling=d**-0.5, softcap=softcap,
+                 rope_inv_freq=(1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)) if pre_rope else None,
+                 rope_scale=1.25 if pre_rope else 1.0)  # fmt: skip
+    for prefix, (bits, axis, codebook, outliers), scale in (("k", k_fmt, 2.0), ("v", v_fmt, 1.0)):
+        x = torch.randn(2, hkv, t, d, generator=g) * scale
+        named.update(operand(x, prefix, bits, axis, 16, codebook, outliers if axis == AXIS_CHANNEL or bits else 0))
+    named["mask"] = bounds_for(2, torch.arange(length - tq, length), list(pad), window)
+    return named
+
+
+def expected(named: dict) -> torch.Tensor:
+    dense = dict(named, mask=masks.dense(named["mask"], named["k_codes"].shape[2]))
+    return reference_attention(dense)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    tq=st.sampled_from([1, 2, 5, 16, 33]),
+    k_fmt=st.sampled_from(FORMATS),
+    v_fmt=st.sampled_from([f for f in FORMATS if f[0] == 0 or f[1] == AXIS_TOKEN or f[3] == 0]),
+    block=st.sampled_from([16, 32, 48, 1024]),
+    window=st.sampled_from([None, 1, 9, 30]),
+    pad=st.sampled_from([(0, 0), (0, 3), (20, 0)]),
+    pre_rope=st.booleans(),
+    softcap=st.sampled_from([0.0, 5.0]),
+    gqa=st.sampled_from([(2, 2), (6, 2), (8, 1)]),
+)
+def test_streaming_attention_matches_the_float64_reference(seed, tq, k_fmt, v_fmt, block, window, pad, pre_rope, softcap, gqa):
+    named = streaming_case(seed, tq, k_fmt, v_fmt, hq=gqa[0], hkv=gqa[1], window=window, pad=pad, pre_rope=pre_rope,
+                           softcap=softcap)  # fmt: skip
+    got = streaming_attention(**reference_arguments(named), block=block)
+    torch.testing.assert_close(got.double(), expected(named), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tq", [1, 64, 512])
+@pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[2]])
+def test_chunks_up_to_512_queries_over_many_blocks(tq, fmt):
+    named = streaming_case(3, tq, fmt, FORMATS[3], length=tq + 700, pre_rope=fmt[2], window=300 if tq == 64 else None)
+    got = torch.ops.kvq.chunk_attention(**named)  # the op, as the model calls it
+    torch.testing.assert_close(got.double(), expected(named), rtol=2e-5, atol=2e-5)
+    small_blocks = streaming_attention(**reference_arguments(named), block=64)
+    torch.testing.assert_close(small_blocks, got, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_and_bounds_masks_give_the_same_result():
+    named = streaming_case(5, 9, FORMATS[2], FORMATS[4], window=12, pad=(0, 4))
+    dense = dict(named, mask=masks.dense(named["mask"], named["k_codes"].shape[2]))
+    torch.testing.assert_close(torch.ops.kvq.chunk_attention(**dense), torch.ops.kvq.chunk_attention(**named))
+
+
+def test_a_fully_padded_query_gets_zeros():
+    named = streaming_case(7, 4, FORMATS[1], FORMATS[3], pad=(0, 60), length=50)  # row 1 is all padding
+    out = torch.ops.kvq.chunk_attention(**named)
+    assert out[1].abs().max() == 0 and out[0].abs().min() > 0
+
+
+def test_bad_bounds_are_refused_by_name():
+    named = streaming_case(1, 4, FORMATS[1], FORMATS[3])
+    with pytest.raises(ValueError, match=r"int64 mask bounds must be \[batch, 1, q_len, 2\]"):
+        torch.ops.kvq.chunk_attention(**dict(named, mask=named["mask"][:, :, :2]))
+    one = streaming_case(1, 1, FORMATS[1], FORMATS[3])
+    with pytest.raises(ValueError, match="mask must be (a 4-D )?bool"):  # decode takes the dense mask only
+        torch.ops.kvq.decode_attention(**one)
+
+
+def test_opcheck_chunk_attention_with_bounds():
+    named = streaming_case(2, 8, FORMATS[2], FORMATS[3], window=10, pre_rope=True)
+    torch.library.opcheck(torch.ops.kvq.chunk_attention.default, (), named)
+
+
+# --------------------------------------------------------------------------- bounds from transformers' arguments
+@pytest.mark.parametrize("window", [None, 5, 64])
+@pytest.mark.parametrize("padding", [None, [0, 3], [7, 0]])
+@pytest.mark.parametrize("q_offset,q_length", [(0, 17), (40, 9), (100, 2)])
+def test_interval_bounds_equal_transformers_dense_masks(window, padding, q_offset, q_length):
+    batch, kv_length = 2, 160
+    attention_mask = None
+    if padding is not None:
+        attention_mask = torch.ones(batch, q_offset + q_length, dtype=torch.long)
+        for row, p in enumerate(padding):
+            attention_mask[row, :p] = 0
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    bounds = masks.interval_bounds(batch, q_length, q_offset, 0, fn, attention_mask, window, "cpu")
+    assert bounds is not None
+    want = sdpa_mask(batch_size=batch, q_length=q_length, kv_length=kv_length, q_offset=q_offset, mask_function=fn,
+                     attention_mask=attention_mask, allow_is_causal_skip=False, local_size=window)  # fmt: skip
+    assert torch.equal(masks.dense(bounds, kv_length), want.expand(batch, 1, q_length, kv_length))
+
+
+def test_masks_that_are_not_intervals_get_no_bounds():
+    holes = torch.ones(1, 20, dtype=torch.long)
+    holes[0, 5] = 0  # padding in the middle of a row: not left padding
+    assert masks.interval_bounds(1, 4, 16, 0, causal_mask_function, holes, None, "cpu") is None
+    chunked = chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    assert masks.interval_bounds(1, 8, 8, 0, chunked, None, 4, "cpu") is None
