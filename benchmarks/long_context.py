@@ -16,14 +16,16 @@ Sections (each preset runs in a fresh Python process, so peak memory is its own)
   24 GB machine past ~400k tokens).
 * `append`: per-token cost of the cache's `update()` (one token, all 30 layers, random K/V)
   after the decode timing at each length: it must not grow with the length.
-* `prefill`: tokens/s of a real `--prefill-len` prompt fed in chunks of `--chunk` tokens, and the
-  greedy continuation of the same prompt prefilled in chunks vs in one pass.
-* `chunk-memory`: peak memory of one `--chunk`-token forward over a tiled `--memory-len` cache,
+* `prefill`: tokens/s of a real `--prefill-len` prompt fed in chunks of `--chunk` tokens (the
+  faster of `--repeats` runs), and the greedy continuation of the same prompt prefilled in chunks
+  vs in one pass.
+* `chunk-memory`: peak memory of one `--memory-chunk`-token forward over a tiled `--memory-len` cache,
   against the cache's bytes and the same chunk's peak over an empty cache (its activations).
 
     python benchmarks/long_context.py --lengths 8192,32768,131072,524288,1048576 \\
         --presets fp,kivi-2,kvquant-2-1pct,kvquant-3-1pct --fp-max 262144
-    python benchmarks/long_context.py --sections prefill,chunk-memory --presets fp,kivi-4,kvquant-3-1pct
+    python benchmarks/long_context.py --sections prefill,chunk-memory --presets fp,kivi-4,kvquant-3-1pct,kivi-2 \
+        --out results/long_context_prefill.json
     python benchmarks/long_context.py --tiny   # seconds: what CI runs
 """
 
@@ -218,8 +220,7 @@ def _prefill_rows(model, tokenizer, preset: str, args) -> list[dict]:
     def fresh():
         return DynamicCache(config=model.config) if preset == "fp" else make_cache(model, reserve=ids.shape[1] + 64)
 
-    cache = fresh()
-    seconds = prefill(model, cache, ids, args.chunk)
+    seconds = min(prefill(model, fresh(), ids, args.chunk) for _ in range(args.repeats))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens, do_sample=False)
     with torch.no_grad():
         chunked = model.generate(ids, prefill_chunk_size=args.chunk, cache=fresh(), **kw)[0, ids.shape[1] :]
@@ -238,7 +239,7 @@ def _chunk_memory_row(model, tokenizer, preset: str, args) -> dict:
 
     from kvq_ao import make_cache
 
-    chunk = _real_ids(tokenizer, args.fill_len + args.chunk)[:, -args.chunk :]
+    chunk = _real_ids(tokenizer, args.fill_len + args.memory_chunk)[:, -args.memory_chunk :]
 
     def fresh():
         return DynamicCache(config=model.config) if preset == "fp" else make_cache(model)
@@ -256,7 +257,7 @@ def _chunk_memory_row(model, tokenizer, preset: str, args) -> dict:
     before = reset_peak()
     model(chunk, cache=cache, logits_to_keep=1)
     extra = status_mib("VmHWM") - before
-    row = dict(section="chunk-memory", preset=preset, cached_tokens=length, chunk=args.chunk, cache_mib=cache_mib,
+    row = dict(section="chunk-memory", preset=preset, cached_tokens=length, chunk=args.memory_chunk, cache_mib=cache_mib,
                chunk_alone_peak_mib=activations, chunk_over_cache_peak_mib=extra,
                ratio=(cache_mib + extra) / (cache_mib + activations))  # fmt: skip
     print(json.dumps(row), flush=True)
@@ -305,7 +306,9 @@ def main() -> None:
     p.add_argument("--fill-len", type=int, default=8192, help="tokens of real prefill that longer caches are tiled from")
     p.add_argument("--prefill-len", type=int, default=8192)
     p.add_argument("--memory-len", type=int, default=131072)
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (generate()'s default, kvq_ao.api.PREFILL_CHUNK)")
+    p.add_argument("--memory-chunk", type=int, default=512, help="the chunk whose memory chunk-memory measures")
+    p.add_argument("--repeats", type=int, default=2, help="timed prefills per preset (the faster is reported)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -315,7 +318,7 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         args.lengths, args.fill_len, args.prefill_len, args.memory_len = "1024,4096", 512, 256, 4096
-        args.chunk, args.new_tokens, args.steps = 128, 4, 1
+        args.chunk, args.memory_chunk, args.new_tokens, args.steps, args.repeats = 128, 128, 4, 1, 1
         args.presets = args.presets if "--presets" in sys.argv else "fp,kivi-2"
     if args.child:
         run_preset(args.child, args)

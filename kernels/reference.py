@@ -14,6 +14,8 @@ Cache layout read by `attention` (one layer, one of K or V):
   positions after dequantization (`kvq_ao.quant.rope`).
 * side: full-precision entries (sink tokens and the recent window) with their positions in
   `side_pos` (-1 = empty); an entry is read when its position is outside [body_start, body_end).
+  For a chunk of queries body_end may be [Tq], one per query: each query then reads the cache as
+  decoding at its position would (recent keys of the chunk and before it in full precision).
 """
 
 from __future__ import annotations
@@ -100,10 +102,12 @@ def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
 
 
 def _masks(mask, side_pos, body_start: int, body_end, t: int):
-    """Which body positions and side entries each query may read: ([B,h,Tq,T], [B,h,Tq,S])."""
+    """Which body positions and side entries each query may read: ([B,h,Tq,T], [B,h,Tq,S]).
+    body_end is 0-dim, or [Tq] (each query's own, see `kvq_ao.cache`)."""
     positions = torch.arange(t, device=mask.device)
-    body_ok = (positions >= body_start) & (positions < body_end)
-    side_ok = (side_pos >= 0) & ((side_pos < body_start) | (side_pos >= body_end))
+    end = body_end.reshape(-1, 1)  # [1 or Tq, 1]
+    body_ok = (positions >= body_start) & (positions < end)
+    side_ok = (side_pos >= 0) & ((side_pos < body_start) | (side_pos >= end))
     side_cols = mask.index_select(-1, side_pos.clamp(min=0))
     return mask & body_ok, side_cols & side_ok
 
@@ -241,42 +245,53 @@ def _body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, sta
 
 
 def _block_attention(q, k, v, ok, scaling: float, softcap: float):
-    """Softmax attention of query rows q [B, Hkv, R, D] over one block of keys/values [B, Hkv, L, D]
-    where `ok` [B, 1 or Hkv, R, L] allows -> (out [B, Hkv, R, Dv], logsumexp [B, Hkv, R]); rows with
-    nothing allowed get out 0 and logsumexp -inf. On CPU without soft-capping this is ATen's flash
-    attention kernel (it returns the logsumexp a split softmax needs); otherwise written out."""
-    anything = ok.any(-1)  # [B, 1 or Hkv, R]
+    """Softmax attention of queries q [B, H, R, D] over one block of keys/values [B, H, L, D]
+    where `ok` [B, 1 or H, R, L] allows (None: everywhere) -> (out [B, H, R, Dv], logsumexp
+    [B, H, R]); rows with nothing allowed get out 0 and logsumexp -inf. On CPU without
+    soft-capping this is ATen's flash attention kernel (it returns the logsumexp a split softmax
+    needs); otherwise written out."""
+    if ok is not None and bool(ok.all()):
+        ok = None
     if q.device.type == "cpu" and softcap <= 0:
-        mask = None if bool(ok.all()) else torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
+        mask = None if ok is None else torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scaling)
     else:
-        scores = _capped(torch.matmul(q, k.transpose(-1, -2)) * scaling, softcap).masked_fill(~ok, float("-inf"))
+        scores = _capped(torch.matmul(q, k.transpose(-1, -2)) * scaling, softcap)
+        scores = scores if ok is None else scores.masked_fill(~ok, float("-inf"))
         top = scores.amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         p = torch.exp(scores - top)
         total = p.sum(-1, keepdim=True)
         out = torch.matmul(p, v) / torch.where(total > 0, total, torch.ones_like(total))
         lse = (top + torch.log(total)).squeeze(-1)
+    if ok is None:
+        return out, lse
+    anything = ok.any(-1)  # [B, 1 or Hkv, R]
     out = torch.where(anything.unsqueeze(-1), out, torch.zeros_like(out))
     return out, torch.where(anything, lse, torch.full_like(lse, float("-inf")))
+
+
+STREAM_TILE = 512  # queries attended together (with all their query heads) by `streaming_attention`
 
 
 def streaming_attention(
     q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook, v_out_val,
     v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start: int, scaling: float,
     rope_scale: float, k_bits: int, k_axis: int, k_group: int, v_bits: int, v_axis: int, v_group: int,
-    softcap: float = 0.0, block: int | None = None,
+    softcap: float = 0.0, block: int | None = None, tile: int = STREAM_TILE,
 ) -> torch.Tensor:  # fmt: skip
     """`attention` for any number of queries, computed block by block (eager only: Python loop).
 
     The readable body [body_start, body_end) is cut into blocks (`block` positions, by default as
-    many as keep one block's scores near STREAM_SCORES); each block is dequantized once per kv head
-    (GQA: all its query heads are rows of one attention), attended by every query under its mask,
-    and the blocks' results are merged by their log-sum-exp (split softmax); the side store is one
-    more block. Blocks no query may read (past the last query's causal bound, before the first
-    one's sliding window) are skipped, and a block every query may read wholly gets no mask. Peak
-    memory is one block's float K/V and scores, never the float cache; with a bounds mask
-    (`kvq_ao.masks`) never a [Tq, T] mask either.
+    many as keep one tile's scores near STREAM_SCORES); each block is dequantized once (GQA: each kv
+    head's float keys/values repeated for its query heads) and attended by each tile of `tile`
+    queries that may read it, over the part of the block it may read; the results are merged by their log-sum-exp (split softmax). A
+    tile that may read a whole block gets no mask, one that may read none of it skips it (a
+    causal chunk's early queries skip its later blocks, a sliding window's queries the blocks
+    before it, and with per-query body ends each query skips the body past its own end). The side
+    store comes last, each tile reading only the entries it may see. Peak memory is one block's
+    float K/V and one tile's scores, never the float cache; with a bounds mask (`kvq_ao.masks`)
+    never a [Tq, T] mask either.
     """
     b, hq, tq, d = q.shape
     hkv, t = k_codes.shape[1], k_codes.shape[2]
@@ -284,36 +299,49 @@ def streaming_attention(
     dv = side_v.shape[-1]
     bounded = masks.is_bounds(mask)
     pre_rope = rope_inv_freq.numel() > 0
-    rows = n * tq
-    qg = q.float().reshape(b, hkv, rows, d)  # kv head h's query heads, each with its tq queries
+    qf = q.float()
+    acc = qf.new_zeros((b, hq, tq, dv))
+    acc_lse = qf.new_full((b, hq, tq), float("-inf"))
+    ends = body_end.reshape(-1).expand(tq)  # each query's own body end (or one for all)
+    tiles = []  # (first, last query, what the tile may read: lo_min, lo_max, hi_min, hi_max, end_min, end_max)
+    for i in range(0, tq, tile):
+        j = min(i + tile, tq)
+        lo_q, hi_q = (mask[:, :, i:j, 0], mask[:, :, i:j, 1]) if bounded else (None, None)
+        reach = (int(lo_q.min()), int(lo_q.max()), int(hi_q.min()), int(hi_q.max())) if bounded else (0, t, 0, t)
+        tiles.append((i, j, *reach, int(ends[i:j].min()), int(ends[i:j].max())))
 
-    def readable(positions: torch.Tensor) -> torch.Tensor:
-        """bool [B, 1 or Hkv, n * Tq, L]: which (query head, query) may read which of `positions`."""
-        m = masks.allowed(mask, positions) if bounded else mask.index_select(-1, positions)
-        heads = m.shape[1] // n if m.shape[1] > 1 else 1  # mask heads: 1 (shared) or Hq
-        return m.reshape(b, heads, -1, tq, positions.numel()).expand(b, heads, n, tq, -1).reshape(b, heads, rows, -1)
+    def per_head(x: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, L, D] -> [B, Hq, L, D]: each kv head's keys (values) for its n query heads (GQA)."""
+        return x if n == 1 else x.repeat_interleave(n, dim=1)
 
-    acc = qg.new_zeros((b, hkv, rows, dv))
-    acc_lse = qg.new_full((b, hkv, rows), float("-inf"))
-
-    def merge(keys: torch.Tensor, values: torch.Tensor, ok: torch.Tensor) -> None:
-        nonlocal acc, acc_lse
-        out, lse = _block_attention(qg, keys, values, ok, scaling, softcap)
-        total = torch.logaddexp(acc_lse, lse)
+    def attend(i: int, j: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ok=None) -> None:
+        """Merge queries [i, j)'s attention over keys/values [B, Hq, L, D] at `positions` where the
+        mask and ok ([j - i, L] per query) allow; ok None: every query of the tile may read every key."""
+        if positions.numel() == 0:  # nothing to read (ATen's flash kernel divides by the key count)
+            return
+        allow = None
+        if ok is not None:
+            m = masks.allowed(mask[:, :, i:j], positions) if bounded else mask[:, :, i:j].index_select(-1, positions)
+            allow = m & ok.view(1, 1, -1, positions.numel())  # [B, 1 or Hq, j - i, L]: broadcast over heads
+        out, lse = _block_attention(qf[:, :, i:j], keys, values, allow, scaling, softcap)
+        old = acc_lse[:, :, i:j]
+        total = torch.logaddexp(old, lse)
         base = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-        acc = acc * torch.exp(acc_lse - base).unsqueeze(-1) + out * torch.exp(lse - base).unsqueeze(-1)
-        acc_lse = total
+        acc[:, :, i:j] = acc[:, :, i:j] * torch.exp(old - base).unsqueeze(-1) + out * torch.exp(lse - base).unsqueeze(-1)
+        acc_lse[:, :, i:j] = total
 
-    lo, hi = body_start, int(body_end)
-    if bounded:  # only blocks some query may read
-        lo, hi = max(lo, int(mask[..., 0].min())), min(hi, int(mask[..., 1].max()))
+    first = max(body_start, min(tl[2] for tl in tiles))
+    last = min(max(min(tl[5], tl[7]) for tl in tiles), t)  # past every tile's causal bound and body end
     grid = math.lcm(*(group for axis, group, bits in ((k_axis, k_group, k_bits), (v_axis, v_group, v_bits))
                       if bits and axis == 1))  # per-channel groups: slices start and end on their grid  # fmt: skip
     if block is None:
-        block = min(max(STREAM_SCORES // rows, STREAM_BLOCK[0]), STREAM_BLOCK[1])
+        block = min(max(STREAM_SCORES // (hq * min(tile, tq)), STREAM_BLOCK[0]), STREAM_BLOCK[1])
     step = max(grid, block // grid * grid)
-    for start in range(lo // grid * grid, hi, step):
+    for start in range(first // grid * grid, last, step):
         end = min(start + step, t)
+        readers = [tl for tl in tiles if start < min(tl[5], tl[7]) and end > max(tl[2], body_start)]
+        if not readers:
+            continue
         kc, ks, kz, kov, koi = _body_slice(k_codes, k_scale, k_zero, k_out_val, k_out_idx, k_axis, k_group, start, end)
         vc, vs, vz, vov, voi = _body_slice(v_codes, v_scale, v_zero, v_out_val, v_out_idx, v_axis, v_group, start, end)
         k = dequantize(kc, ks, kz, k_codebook, kov, koi, k_bits, k_axis, k_group, torch.float32)
@@ -321,15 +349,28 @@ def streaming_attention(
         positions = torch.arange(start, end, device=q.device)
         if pre_rope:
             k = rotate(k, positions, rope_inv_freq, rope_scale)
-        in_body = ((positions >= body_start) & (positions < body_end)).view(1, 1, 1, -1)
-        merge(k, v, readable(positions) & in_body)
+        k, v = per_head(k), per_head(v)
+        for i, j, lo_min, lo_max, hi_min, hi_max, end_min, end_max in readers:
+            a, z = max(start, lo_min, body_start), min(end, hi_max, end_max)  # the part of the block the tile may read
+            kt, vt, pt = k[:, :, a - start : z - start], v[:, :, a - start : z - start], positions[a - start : z - start]
+            if bounded and a >= lo_max and z <= min(hi_min, end_min):
+                attend(i, j, kt, vt, pt)  # every query of the tile may read all of it: no mask
+            else:
+                attend(i, j, kt, vt, pt, (pt >= body_start) & (pt < ends[i:j].view(-1, 1)))
     if side_pos.numel():
         sk, sv = side_k.float(), side_v.float()
         if pre_rope:
             sk = rotate(sk, side_pos.clamp(min=0), rope_inv_freq, rope_scale)
-        side_ok = ((side_pos >= 0) & ((side_pos < body_start) | (side_pos >= body_end))).view(1, 1, 1, -1)
-        merge(sk, sv, readable(side_pos.clamp(min=0)) & side_ok)
-    return acc.reshape(b, hq, tq, dv).to(q.dtype)
+        sk, sv = per_head(sk), per_head(sv)
+        for i, j, lo_min, lo_max, hi_min, hi_max, end_min, end_max in tiles:
+            pos = side_pos
+            seen = (pos >= 0) & ((pos < body_start) | (pos >= end_min)) & (pos >= lo_min) & (pos < hi_max)
+            pick = seen.nonzero().flatten()
+            if pick.numel() == 0:
+                continue
+            p = pos.index_select(0, pick)
+            attend(i, j, sk.index_select(2, pick), sv.index_select(2, pick), p, (p < body_start) | (p >= ends[i:j].view(-1, 1)))
+    return acc.to(q.dtype)
 
 
-__all__ = ["attention", "dequantize", "quantize", "streaming_attention", "STREAM_BLOCK", "TARGETS"]
+__all__ = ["attention", "dequantize", "quantize", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]

@@ -10,7 +10,10 @@ Each layer keeps
 Positions [sink, body_end) are read from the body and the rest from the side, where
 body_end = floor((length - residual) / block) * block. `update()` returns the layer's keys and
 values as `QuantizedKV` views of this storage; attention reads them through
-the kvq attention ops, so the quantized cache is what the model really attends to.
+the kvq attention ops, so the quantized cache is what the model really attends to. For a chunk of
+several tokens each query gets its own body end (the one decoding at its position would see) and
+the chunk's keys/values in full precision, so a prompt prefilled in chunks of any size, or in one
+pass, or token by token, is attended to identically.
 
 Two update paths produce identical storage (tested against each other):
 * `_append_eager` (any number of tokens, Python ints; dynamic caches and any prefill),
@@ -251,9 +254,36 @@ class QuantizedLayer(CacheLayerMixin):
             key_states = self._unrotate(key_states)
         if key_states.shape[2] == 1 and isinstance(self.cumulative_length, torch.Tensor):
             self._append_one_static(key_states, value_states)
-        else:
-            self._append_eager(key_states, value_states)
-        return self.keys_values()
+            return self.keys_values()
+        old = int(self.cumulative_length)
+        held = self._held_in_full(old)
+        self._append_eager(key_states, value_states)
+        if key_states.shape[2] == 1:
+            return self.keys_values()
+        return self._chunk_views(held, key_states, value_states, old)
+
+    def _held_in_full(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, positions) the side store reads in full precision at `length`: the sink
+        and the positions not yet quantized, [boundary(length), length)."""
+        start = min(max(self._boundary(length), self.sink), length)
+        positions = torch.cat([torch.arange(min(self.sink, length)), torch.arange(start, length)])
+        positions = positions.to(self.device)
+        slots = self._slot(positions)
+        return self.side_k.index_select(2, slots), self.side_v.index_select(2, slots), positions
+
+    def _chunk_views(self, held, k: torch.Tensor, v: torch.Tensor, old: int) -> tuple[QuantizedKV, QuantizedKV]:
+        """The views a chunk of queries at positions [old, old + n) attends: each query reads the
+        cache as decoding at its own position would, so prefill gives the same result whatever its
+        chunking. Query i reads the body below its own boundary(i + 1) and every later key in full
+        precision: the chunk's own keys/values and the side entries held before it was appended
+        (the window a query looks back on reaches into them)."""
+        held_k, held_v, held_pos = held
+        new = old + k.shape[2]
+        side_k, side_v = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
+        side_pos = torch.cat([held_pos, torch.arange(old, new, device=self.device)])
+        ends = torch.clamp(torch.arange(old + 1, new + 1, device=self.device) - self.residual, min=0)
+        body_end = torch.div(ends, self.block, rounding_mode="floor") * self.block
+        return self.keys_values(side=(side_k, side_v, side_pos, body_end))
 
     def _unrotate(self, k: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys from the model's post-RoPE keys, at the positions they will occupy.
@@ -353,14 +383,17 @@ class QuantizedLayer(CacheLayerMixin):
         self.cumulative_length.add_(1)
 
     # ------------------------------------------------------------------ views
-    def keys_values(self) -> tuple[QuantizedKV, QuantizedKV]:
+    def keys_values(self, side=None) -> tuple[QuantizedKV, QuantizedKV]:
+        """The layer's keys and values as `QuantizedKV` views of its storage; `side` = (keys,
+        values, positions, body_end) replaces the side store and body end (see `_chunk_views`)."""
         kb, ka, kg = _op_format(self.spec.key)
         vb, va, vg = _op_format(self.spec.value)
         k, v = self.k_body, self.v_body
+        side_k, side_v, side_pos, body_end = side or (self.side_k, self.side_v, self.side_pos, self.body_end)
         no_rope = self.rope_inv_freq[:0]
-        keys = QuantizedKV(*k.tensors(), k.codebook, *k.sparse(), self.side_k, self.side_pos, self.body_end,
+        keys = QuantizedKV(*k.tensors(), k.codebook, *k.sparse(), side_k, side_pos, body_end,
                            self.rope_inv_freq, kb, ka, kg, self.sink, self.dtype, self.rope_scale)  # fmt: skip
-        values = QuantizedKV(*v.tensors(), v.codebook, *v.sparse(), self.side_v, self.side_pos, self.body_end,
+        values = QuantizedKV(*v.tensors(), v.codebook, *v.sparse(), side_v, side_pos, body_end,
                              no_rope, vb, va, vg, self.sink, self.dtype, 1.0)  # fmt: skip
         return keys, values
 

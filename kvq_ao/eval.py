@@ -1,9 +1,10 @@
 """Quality of a quantized cache, measured through the same cache code path generation uses.
 
 Perplexity: the text is cut into windows; each window starts a fresh `QuantizedKVCache` and is
-fed in chunks, so every chunk attends to the already-quantized cache through
-`torch.ops.kvq.chunk_attention` (the chunk's own tokens included, as the cache holds them). The fp
-reference runs each window in one pass without any cache.
+fed in chunks through `torch.ops.kvq.chunk_attention`, each query reading the cache as decoding at
+its position would (older tokens from the quantized codes, the recent window in full precision),
+so the figure does not depend on the chunk size. The fp reference runs each window in one pass
+without any cache.
 
 Reported: perplexity (quantized and fp), mean KL(fp || quantized) of the next-token
 distribution, top-1 agreement with fp, and the cache's memory as held at the end of a window.

@@ -270,8 +270,11 @@ def _check_attention(a: dict, decode: bool) -> dict:
         raise ValueError(f"kvq attention: mask covers {mask.shape[-1]} positions but the cache holds {k_codes.shape[2]}")
     if side_pos.dim() != 1 or side_pos.shape[0] != side_k.shape[2] or side_pos.dtype != torch.int64:
         raise ValueError("kvq attention: side_pos must be int64 [side_len] matching side_k's token axis")
-    if a["body_end"].dim() != 0 or a["body_end"].dtype != torch.int64:
-        raise ValueError("kvq attention: body_end must be a 0-dim int64 tensor")
+    body_end = a["body_end"]
+    per_query = not decode and body_end.dim() == 1 and body_end.shape[0] == q.shape[2]
+    if body_end.dtype != torch.int64 or not (body_end.dim() == 0 or per_query):
+        raise ValueError("kvq attention: body_end must be a 0-dim int64 tensor"
+                         + ("" if decode else f", or int64 [q_len] = [{q.shape[2]}] (one per query)"))  # fmt: skip
     return a
 
 

@@ -9,8 +9,9 @@ A wrapper tensor subclass (on torchao's `TorchAOBaseTensor`) whose logical value
 * `rope_inv_freq` (empty unless keys are stored before RoPE) and `rope_scale`: the rotation
   applied to each key at its own position when it is read;
 * `side`, `side_pos`: full-precision entries (sink tokens, recent window) and their positions;
-* `body_end` (0-dim int64 tensor) and `body_start` (int): body positions in
-  [body_start, body_end) are read from the codes, every other valid position from `side`.
+* `body_end` (0-dim int64 tensor, or [q_len] in the view a chunk of queries attends: one per query)
+  and `body_start` (int): body positions in [body_start, body_end) are read from the codes, every
+  other valid position from `side`.
 
 It is what the cache's `update()` returns; `attention(query, key, value, ...)` below hands the
 fields of a key and a value `QuantizedKV` to `torch.ops.kvq.decode_attention` (one query token)
@@ -79,10 +80,11 @@ class QuantizedKV(TorchAOBaseTensor):
         if self.pre_rope:
             out = self._rotate(out, torch.arange(out.shape[2], device=out.device))
         positions = torch.arange(out.shape[2], device=out.device)
-        in_body = (positions >= self.body_start) & (positions < self.body_end)
+        end = self.body_end.max()  # per-query body ends (a chunk's view): as the last query reads it
+        in_body = (positions >= self.body_start) & (positions < end)
         out = out * in_body.view(1, 1, -1, 1).to(out.dtype)
         pos = self.side_pos
-        use = (pos >= 0) & ((pos < self.body_start) | (pos >= self.body_end)) & (pos < out.shape[2])
+        use = (pos >= 0) & ((pos < self.body_start) | (pos >= end)) & (pos < out.shape[2])
         if bool(use.any()):
             side = self.side[:, :, use].to(out.dtype)
             if self.pre_rope:

@@ -84,17 +84,23 @@ def reference_attention(named):
     if a["rope_inv_freq"].numel():  # keys stored pre-RoPE: rotate every key at its own position
         k = _rotate64(k, torch.arange(t), a["rope_inv_freq"], a["rope_scale"])
         side_k = _rotate64(side_k, side_pos.clamp(min=0), a["rope_inv_freq"], a["rope_scale"])
-    body_start, body_end, q = a["body_start"], int(a["body_end"]), a["q"]
-    valid = torch.zeros(t, dtype=torch.bool)
-    valid[body_start:body_end] = True
-    for i, p in enumerate(side_pos.tolist()):
-        if p >= 0 and not (body_start <= p < body_end):
-            k[:, :, p], v[:, :, p] = side_k[:, :, i], side_v[:, :, i]
-            valid[p] = True
-    n = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
-    scores = (q.double() @ k.transpose(-1, -2)) * a["scaling"]
-    if a["softcap"]:  # Gemma-2's attention logit soft-capping
-        scores = a["softcap"] * torch.tanh(scores / a["softcap"])
-    scores = scores.masked_fill(~(a["mask"] & valid), float("-inf"))
-    return torch.softmax(scores, -1).nan_to_num(0.0) @ v  # a query that sees nothing gets zeros
+    body_start, q = a["body_start"], a["q"]
+    ends = a["body_end"].reshape(-1).tolist()  # one body end for all queries, or one per query
+    outs = []
+    for i in range(q.shape[2]):  # each query reads the logical K/V of its own body end
+        body_end = ends[i if len(ends) > 1 else 0]
+        ki, vi = k.clone(), v.clone()
+        valid = torch.zeros(t, dtype=torch.bool)
+        valid[body_start:body_end] = True
+        for j, p in enumerate(side_pos.tolist()):
+            if p >= 0 and not (body_start <= p < body_end):
+                ki[:, :, p], vi[:, :, p] = side_k[:, :, j], side_v[:, :, j]
+                valid[p] = True
+        n = q.shape[1] // k.shape[1]
+        ki, vi = ki.repeat_interleave(n, 1), vi.repeat_interleave(n, 1)
+        scores = (q[:, :, i : i + 1].double() @ ki.transpose(-1, -2)) * a["scaling"]
+        if a["softcap"]:  # Gemma-2's attention logit soft-capping
+            scores = a["softcap"] * torch.tanh(scores / a["softcap"])
+        scores = scores.masked_fill(~(a["mask"][:, :, i : i + 1] & valid), float("-inf"))
+        outs.append(torch.softmax(scores, -1).nan_to_num(0.0) @ vi)  # a query that sees nothing gets zeros
+    return torch.cat(outs, dim=2)

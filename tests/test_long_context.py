@@ -84,17 +84,29 @@ def test_generate_prefills_a_long_prompt_in_chunks_with_bounds_masks(tiny_model,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_chunked_prefill_through_quantized_codes_stays_close_to_unchunked(tiny_model):
-    quantize_kv_(tiny_model, dataclasses.replace(KVQuantConfig.preset("kivi-4"), residual_length=16, sink_tokens=1))
-    ids = torch.randint(3, 128, (1, 160), generator=torch.Generator().manual_seed(2))
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, output_logits=True,
+@pytest.mark.parametrize("preset", ["kivi-2", "kvquant"])
+def test_prefill_in_chunks_of_any_size_reads_the_cache_as_decoding_would(tiny_model, preset):
+    """Each query of a chunk reads the body below its own boundary and later keys in full precision,
+    so one pass, chunks and token-by-token (the decode path) give the same logits, though most of
+    the prompt is read from quantized codes."""
+    from conftest import kvquant_config
+
+    cfg = kvquant_config(bits=2, model=tiny_model) if preset == "kvquant" else KVQuantConfig.preset("kivi-2")
+    quantize_kv_(tiny_model, dataclasses.replace(cfg, residual_length=16, sink_tokens=1))
+    ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, output_logits=True,
               return_dict_in_generate=True)  # fmt: skip
+    runs = {}
     with torch.no_grad():
-        whole = tiny_model.generate(ids, prefill_chunk_size=1000, **kw).logits[0]
-        chunked = tiny_model.generate(ids, prefill_chunk_size=40, **kw).logits[0]
-    # chunks read some keys at full precision that one pass reads quantized: close, not equal
-    assert (chunked - whole).abs().max() < 0.1 * whole.abs().max()
-    assert not torch.equal(chunked, whole)
+        for chunk in (1000, 40, 7, 1):
+            runs[chunk] = tiny_model.generate(ids, prefill_chunk_size=chunk, **kw)
+        fp = tiny_model.generate(ids, cache=__import__("transformers").DynamicCache(), **kw)
+    for chunk in (40, 7, 1):
+        assert torch.equal(runs[chunk].sequences, runs[1000].sequences)
+        for a, b in zip(runs[chunk].logits, runs[1000].logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # and the codes are really read: far from the fp cache's logits
+    assert (runs[1000].logits[0] - fp.logits[0]).abs().max() > 100 * (runs[7].logits[0] - runs[1000].logits[0]).abs().max()
 
 
 @pytest.mark.parametrize("left_pad", [0, 5])
@@ -121,3 +133,55 @@ def test_bounds_masks_equal_dense_masks_in_a_sliding_window_model(monkeypatch, l
     torch.testing.assert_close(bounded[1, left_pad:], dense[1, left_pad:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(bounded[0], dense[0], rtol=1e-5, atol=1e-5)
     assert masks.is_bounds(torch.zeros(1, 1, 2, 2, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------- the long benchmarks, tiny
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def _run_benchmark(*argv: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_the_long_context_benchmark_runs_tiny(tmp_path):
+    """benchmarks/long_context.py --tiny: every section on SmolLM2 at 1k-4k tokens (the long runs are
+    not in CI). Checks the rows say what they should; no timing is asserted."""
+    import json
+
+    path = tmp_path / "lc.json"
+    table = _run_benchmark("benchmarks/long_context.py", "--tiny", "--out", str(path))
+    rows = json.loads(path.read_text())["rows"]
+    assert not [r for r in rows if r["section"] == "error"], rows
+    decode = {(r["preset"], r["cached_tokens"]): r for r in rows if r["section"] == "decode"}
+    assert {p for p, _ in decode} == {"fp", "kivi-2"} and len(decode) == 4
+    for n in (1024, 4096):  # tiling reaches the length asked (at least; block-rounded for the quantized cache)
+        fp, q = decode[("fp", n)], next(r for (p, m), r in decode.items() if p == "kivi-2" and n <= m < n + 64)
+        assert q["cache_mib"] < fp["cache_mib"] / 2 and q["ms_per_token"] > 0 and q["append_us_per_token"] > 0
+        assert set(q["cache_by_kind_mib"]) == {"codes", "scale_zero", "outliers", "side"}
+    prefill = {r["preset"]: r for r in rows if r["section"] == "prefill"}
+    assert prefill["fp"]["same_continuation"] and prefill["kivi-2"]["tokens_per_s"] > 0
+    assert all(r["ratio"] > 0 for r in rows if r["section"] == "chunk-memory")
+    assert "| kivi-2 | 4,0" in table
+
+
+@pytest.mark.slow
+def test_the_passkey_benchmark_runs_tiny_and_fp_finds_the_key(tmp_path):
+    import json
+
+    path = tmp_path / "pk.jsonl"
+    table = _run_benchmark("benchmarks/passkey.py", "--lengths", "512", "--depths", "0,100", "--trials", "1",
+                           "--configs", "fp,kivi-4", "--out", str(path))  # fmt: skip
+    rows = [json.loads(line) for line in path.read_text().splitlines()][1:]
+    assert [(r["config"], r["depth"]) for r in rows] == [("fp", 0), ("fp", 100), ("kivi-4", 0), ("kivi-4", 100)]
+    assert all(r["correct"] for r in rows if r["config"] == "fp"), rows  # the prompt works at all
+    assert "| fp | 1/1 | 1/1 |" in table
+    # resuming skips the cells already there and keeps their rows
+    _run_benchmark("benchmarks/passkey.py", "--lengths", "512", "--depths", "0,100", "--trials", "1", "--configs", "fp",
+                   "--out", str(path), "--resume")  # fmt: skip
+    assert len(path.read_text().splitlines()) == 1 + 4

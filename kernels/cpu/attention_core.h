@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -284,6 +285,66 @@ inline void check(bool ok, const Parts&... parts) {
   throw std::invalid_argument(s.str());
 }
 
+// DType of a ScalarType code: c10's and ExecuTorch's ScalarType enums share their numbering.
+inline DType dtype_of_code(int code) {
+  switch (code) {
+    case 0: return DType::Byte;
+    case 4: return DType::Long;
+    case 5: return DType::Half;
+    case 6: return DType::Float;
+    case 7: return DType::Double;
+    case 11: return DType::Bool;
+    case 15: return DType::BFloat16;
+    default: return DType::Other;
+  }
+}
+
+// A View of a tensor of either runtime: at::Tensor and ExecuTorch's Tensor both have dim(), size(),
+// strides(), scalar_type() and const_data_ptr(). The caller keeps the tensor alive.
+template <class Tensor>
+View view_of(const Tensor& t) {
+  check(t.dim() <= 6, "tensors of at most 6 dims, got ", t.dim());
+  View v;
+  v.present = true;
+  v.data = t.const_data_ptr();
+  v.dtype = dtype_of_code(static_cast<int>(t.scalar_type()));
+  v.dim = static_cast<int>(t.dim());
+  for (int i = 0; i < v.dim; ++i) {
+    v.sizes[i] = t.size(i);
+    v.strides[i] = t.strides()[i];
+  }
+  return v;
+}
+
+template <class Tensor>
+View view_of(const std::optional<Tensor>& t) {
+  return t.has_value() ? view_of(*t) : View{};
+}
+
+// The Args of one call, in the order of ATTENTION_SCHEMA: the one place both registration layers
+// (decode_attention.cpp, executorch_ops.cpp) turn their tensors into the kernel's arguments.
+template <class T, class O>
+Args make_args(const T& q, const T& k_codes, const O& k_scale, const O& k_zero, const O& k_codebook, const O& k_out_val,
+               const O& k_out_idx, const T& v_codes, const O& v_scale, const O& v_zero, const O& v_codebook,
+               const O& v_out_val, const O& v_out_idx, const T& side_k, const T& side_v, const T& side_pos,
+               const T& body_end, const T& mask, const O& rope_inv_freq, int64_t body_start, double scaling,
+               double rope_scale, int64_t k_bits, int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis,
+               int64_t v_group, double softcap) {
+  Args a;
+  a.q = view_of(q);
+  a.k_codes = view_of(k_codes), a.k_scale = view_of(k_scale), a.k_zero = view_of(k_zero);
+  a.k_codebook = view_of(k_codebook), a.k_out_val = view_of(k_out_val), a.k_out_idx = view_of(k_out_idx);
+  a.v_codes = view_of(v_codes), a.v_scale = view_of(v_scale), a.v_zero = view_of(v_zero);
+  a.v_codebook = view_of(v_codebook), a.v_out_val = view_of(v_out_val), a.v_out_idx = view_of(v_out_idx);
+  a.side_k = view_of(side_k), a.side_v = view_of(side_v), a.side_pos = view_of(side_pos);
+  a.body_end = view_of(body_end), a.mask = view_of(mask), a.rope_inv_freq = view_of(rope_inv_freq);
+  a.body_start = body_start, a.scaling = scaling, a.rope_scale = rope_scale;
+  a.k_bits = k_bits, a.k_axis = k_axis, a.k_group = k_group;
+  a.v_bits = v_bits, a.v_axis = v_axis, a.v_group = v_group;
+  a.softcap = softcap;
+  return a;
+}
+
 // Per-thread buffers of one operand: its scale/zero row as floats, kept while tokens share it.
 struct Scratch {
   float scale[kMaxHeadDim], zero[kMaxHeadDim];
@@ -340,17 +401,19 @@ struct Operand {
     } else {
       dispatch([&](auto unpack_row) { tile_with(unpack_row, bh, T, t0, count, out, tmp); });
     }
-    if (n_out) {  // exact outliers replace their channel's dense value
-      float vals[kMaxHeadDim];
-      for (int i = 0; i < count; ++i) {
-        const int64_t token = bh * T + t0 + i;
-        load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
-        const uint8_t* idx = out_idx_p + token * n_out;
-        float* row = out + i * kRow;
-        for (int j = 0; j < n_out; ++j)
-          if (idx[j] < dim) row[idx[j]] = vals[j];
-      }
-    }
+    for (int i = 0; i < count; ++i)  // exact outliers replace their channel's dense value
+      for_each_outlier(bh * T + t0 + i, [&](int d, float exact) { out[i * kRow + d] = exact; });
+  }
+
+  // fn(channel, exact value) for each filled outlier slot of `token` (its index in [B * H * T]).
+  template <typename F>
+  void for_each_outlier(int64_t token, F&& fn) const {
+    if (!n_out) return;
+    float vals[kMaxHeadDim];
+    load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
+    const uint8_t* idx = out_idx_p + token * n_out;
+    for (int o = 0; o < n_out; ++o)
+      if (idx[o] < dim) fn(static_cast<int>(idx[o]), vals[o]);  // an index >= dim marks an empty slot
   }
 
   // Tokens [t0, t0 + count) of (batch, head) `bh` as bare levels, row i at out + i * kRow
@@ -750,20 +813,11 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
     score_rows(tmp.qs, n_heads, dim, end - i, lv + i * kRow, scores + i);
     for (int h = 0; h < n_heads; ++h)
       for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
-    if (n_out) {
-      float vals[kMaxHeadDim];
-      for (int j = i; j < end; ++j) {
-        const int64_t token = bh * T + t0 + j;
-        load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
-        const uint8_t* idx = out_idx_p + token * n_out;
-        for (int o = 0; o < n_out; ++o) {
-          const int d = idx[o];
-          if (d >= dim) continue;
-          const float delta = vals[o] - (tmp.scale[d] * lv[j * kRow + d] + tmp.zero[d]);
-          for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
-        }
-      }
-    }
+    for (int j = i; j < end; ++j)
+      for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
+        const float delta = exact - (tmp.scale[d] * lv[j * kRow + d] + tmp.zero[d]);
+        for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
+      });
     i = end;
   }
 }
@@ -800,20 +854,12 @@ void Operand::direct_accumulate(float* acc, float correction, const float* probs
   accumulate(acc, correction, w, group, lv, count, dim);
   for (int g = 0; g < groups; ++g)
     for (int c = g * group; c < (g + 1) * group; ++c) acc[c] += zsum[g];
-  if (n_out) {
-    float vals[kMaxHeadDim];
-    for (int j = 0; j < count; ++j) {
-      if (probs[j] == 0.f) continue;
-      const int64_t token = bh * T + t0 + j;
-      load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
-      const uint8_t* idx = out_idx_p + token * n_out;
-      for (int o = 0; o < n_out; ++o) {
-        const int d = idx[o];
-        if (d >= dim) continue;
-        const int g = d / group;
-        acc[d] += probs[j] * (vals[o] - (tmp.tile_scale[g * kTile + j] * lv[j * kRow + d] + tmp.tile_zero[g * kTile + j]));
-      }
-    }
+  for (int j = 0; j < count; ++j) {
+    if (probs[j] == 0.f) continue;
+    for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
+      const int g = d / group;
+      acc[d] += probs[j] * (exact - (tmp.tile_scale[g * kTile + j] * lv[j * kRow + d] + tmp.tile_zero[g * kTile + j]));
+    });
   }
 }
 

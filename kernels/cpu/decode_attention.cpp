@@ -7,48 +7,27 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <deque>
+#include <optional>
+
 #include "attention_core.h"
 
 namespace kvq_cpu {
 namespace {
 
-using kvq_core::DType;
-using kvq_core::View;
-
-DType dtype_of(at::ScalarType t) {
-  switch (t) {
-    case at::kBool: return DType::Bool;
-    case at::kByte: return DType::Byte;
-    case at::kLong: return DType::Long;
-    case at::kHalf: return DType::Half;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kFloat: return DType::Float;
-    case at::kDouble: return DType::Double;
-    default: return DType::Other;
+// Keeps contiguous copies of the arguments alive for the call (the core reads raw pointers);
+// the mask stays as it is, since the core reads its broadcast strides.
+class Keep {
+ public:
+  const at::Tensor& operator()(const at::Tensor& t) { return kept_.emplace_back(t.contiguous()); }
+  const std::optional<at::Tensor>& operator()(const std::optional<at::Tensor>& t) {
+    return optional_.emplace_back(t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt);
   }
-}
 
-// A view of `t` (made contiguous into `keep` unless it is the mask, whose broadcast strides the
-// core reads as they are).
-View view_of(const at::Tensor& t, std::vector<at::Tensor>& keep, bool strided = false) {
-  TORCH_CHECK_VALUE(t.dim() <= 6, "kvq.decode_attention: tensors of at most 6 dims, got ", t.sizes());
-  keep.push_back(strided ? t : t.contiguous());
-  const at::Tensor& c = keep.back();
-  View v;
-  v.present = true;
-  v.data = c.data_ptr();
-  v.dtype = dtype_of(c.scalar_type());
-  v.dim = static_cast<int>(c.dim());
-  for (int i = 0; i < v.dim; ++i) {
-    v.sizes[i] = c.size(i);
-    v.strides[i] = c.stride(i);
-  }
-  return v;
-}
-
-View view_of(const std::optional<at::Tensor>& t, std::vector<at::Tensor>& keep) {
-  return t.has_value() ? view_of(*t, keep) : View{};
-}
+ private:
+  std::deque<at::Tensor> kept_;  // a deque: references to its elements survive later emplace_backs
+  std::deque<std::optional<at::Tensor>> optional_;
+};
 
 at::Tensor decode_attention(
     const at::Tensor& q,
@@ -61,35 +40,12 @@ at::Tensor decode_attention(
     int64_t body_start, double scaling, double rope_scale,
     int64_t k_bits, int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis, int64_t v_group, double softcap) {
   TORCH_CHECK_VALUE(q.is_floating_point(), "kvq.decode_attention: q must be floating point, got ", q.scalar_type());
-  std::vector<at::Tensor> keep;
-  keep.reserve(24);
-  kvq_core::Args a;
-  a.q = view_of(q.to(at::kFloat), keep);
-  a.k_codes = view_of(k_codes, keep);
-  a.k_scale = view_of(k_scale, keep);
-  a.k_zero = view_of(k_zero, keep);
-  a.k_codebook = view_of(k_codebook, keep);
-  a.k_out_val = view_of(k_out_val, keep);
-  a.k_out_idx = view_of(k_out_idx, keep);
-  a.v_codes = view_of(v_codes, keep);
-  a.v_scale = view_of(v_scale, keep);
-  a.v_zero = view_of(v_zero, keep);
-  a.v_codebook = view_of(v_codebook, keep);
-  a.v_out_val = view_of(v_out_val, keep);
-  a.v_out_idx = view_of(v_out_idx, keep);
-  a.side_k = view_of(side_k, keep);
-  a.side_v = view_of(side_v, keep);
-  a.side_pos = view_of(side_pos, keep);
-  a.body_end = view_of(body_end, keep);
-  a.mask = view_of(mask, keep, /*strided=*/true);
-  a.rope_inv_freq = view_of(rope_inv_freq, keep);
-  a.body_start = body_start;
-  a.scaling = scaling;
-  a.rope_scale = rope_scale;
-  a.k_bits = k_bits, a.k_axis = k_axis, a.k_group = k_group;
-  a.v_bits = v_bits, a.v_axis = v_axis, a.v_group = v_group;
-  a.softcap = softcap;
+  Keep c;
   try {
+    kvq_core::Args a = kvq_core::make_args(
+        c(q.to(at::kFloat)), c(k_codes), c(k_scale), c(k_zero), c(k_codebook), c(k_out_val), c(k_out_idx), c(v_codes),
+        c(v_scale), c(v_zero), c(v_codebook), c(v_out_val), c(v_out_idx), c(side_k), c(side_v), c(side_pos), c(body_end),
+        mask, c(rope_inv_freq), body_start, scaling, rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, softcap);
     int64_t sizes[3];
     kvq_core::output_sizes(a, sizes);
     at::Tensor out = at::empty({sizes[0], sizes[1], 1, sizes[2]}, q.options().dtype(at::kFloat));

@@ -16,37 +16,6 @@ namespace {
 using executorch::aten::ScalarType;
 using executorch::aten::Tensor;
 using executorch::runtime::KernelRuntimeContext;
-using kvq_core::DType;
-using kvq_core::View;
-
-DType dtype_of(ScalarType t) {
-  switch (t) {
-    case ScalarType::Bool: return DType::Bool;
-    case ScalarType::Byte: return DType::Byte;
-    case ScalarType::Long: return DType::Long;
-    case ScalarType::Half: return DType::Half;
-    case ScalarType::BFloat16: return DType::BFloat16;
-    case ScalarType::Float: return DType::Float;
-    case ScalarType::Double: return DType::Double;
-    default: return DType::Other;
-  }
-}
-
-View view_of(const Tensor& t) {
-  kvq_core::check(t.dim() <= 6, "tensors of at most 6 dims, got ", t.dim());
-  View v;
-  v.present = true;
-  v.data = t.const_data_ptr();
-  v.dtype = dtype_of(t.scalar_type());
-  v.dim = static_cast<int>(t.dim());
-  for (int i = 0; i < v.dim; ++i) {
-    v.sizes[i] = t.size(i);
-    v.strides[i] = t.strides()[i];
-  }
-  return v;
-}
-
-View view_of(const std::optional<Tensor>& t) { return t.has_value() ? view_of(*t) : View{}; }
 
 Tensor& decode_attention_out(
     KernelRuntimeContext& ctx, const Tensor& q,
@@ -59,32 +28,10 @@ Tensor& decode_attention_out(
     int64_t k_bits, int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis, int64_t v_group, double softcap,
     Tensor& out) {
   try {
-    kvq_core::Args a;
-    a.q = view_of(q);
-    a.k_codes = view_of(k_codes);
-    a.k_scale = view_of(k_scale);
-    a.k_zero = view_of(k_zero);
-    a.k_codebook = view_of(k_codebook);
-    a.k_out_val = view_of(k_out_val);
-    a.k_out_idx = view_of(k_out_idx);
-    a.v_codes = view_of(v_codes);
-    a.v_scale = view_of(v_scale);
-    a.v_zero = view_of(v_zero);
-    a.v_codebook = view_of(v_codebook);
-    a.v_out_val = view_of(v_out_val);
-    a.v_out_idx = view_of(v_out_idx);
-    a.side_k = view_of(side_k);
-    a.side_v = view_of(side_v);
-    a.side_pos = view_of(side_pos);
-    a.body_end = view_of(body_end);
-    a.mask = view_of(mask);
-    a.rope_inv_freq = view_of(rope_inv_freq);
-    a.body_start = body_start;
-    a.scaling = scaling;
-    a.rope_scale = rope_scale;
-    a.k_bits = k_bits, a.k_axis = k_axis, a.k_group = k_group;
-    a.v_bits = v_bits, a.v_axis = v_axis, a.v_group = v_group;
-    a.softcap = softcap;
+    kvq_core::Args a = kvq_core::make_args(q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale,
+                                           v_zero, v_codebook, v_out_val, v_out_idx, side_k, side_v, side_pos, body_end,
+                                           mask, rope_inv_freq, body_start, scaling, rope_scale, k_bits, k_axis, k_group,
+                                           v_bits, v_axis, v_group, softcap);
     int64_t sizes[3];
     kvq_core::output_sizes(a, sizes);
     kvq_core::check(out.scalar_type() == ScalarType::Float && out.dim() == 4 && out.size(0) == sizes[0] && out.size(1) == sizes[1] &&

@@ -43,18 +43,22 @@ def bounds_for(batch: int, q_pos: torch.Tensor, pad: list[int], window: int | No
 
 
 def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(0, 0), pre_rope=False, softcap=0.0,
-                   length=None, sink=1, residual=7):  # fmt: skip
+                   length=None, sink=1, residual=7, per_query=False):  # fmt: skip
     """A layer's cache of `length` tokens (capacity rounded up to 16s) with `tq` queries at its end:
-    sink position 0 and the last `residual`-ish positions in the side store, the rest in the body."""
+    sink position 0 and the last `residual`-ish positions in the side store, the rest in the body.
+    per_query: each query has its own body end (as the cache gives a prefill chunk), and the side
+    store holds everything from the first query's body end on."""
     g = torch.Generator().manual_seed(seed)
     length = length or max(tq, 1) + 40
     t = -(-length // 16) * 16 + 16
-    body_end = max((length - residual) // 16 * 16, 0)
+    q_pos = torch.arange(length - tq, length)
+    ends = torch.clamp(q_pos + 1 - residual, min=0) // 16 * 16
+    body_end = int(ends[0]) if per_query else max((length - residual) // 16 * 16, 0)
     side = [0] + list(range(max(body_end, 1), length)) if sink else list(range(body_end, length))
     side_pos = torch.tensor(side + [-1])  # one empty slot
     named = dict(q=torch.randn(2, hq, tq, d, generator=g), side_k=torch.randn(2, hkv, len(side_pos), d, generator=g),
                  side_v=torch.randn(2, hkv, len(side_pos), d, generator=g), side_pos=side_pos,
-                 body_end=torch.tensor(body_end), body_start=sink, scaling=d**-0.5, softcap=softcap,
+                 body_end=ends if per_query else torch.tensor(body_end), body_start=sink, scaling=d**-0.5, softcap=softcap,
                  rope_inv_freq=(1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)) if pre_rope else None,
                  rope_scale=1.25 if pre_rope else 1.0)  # fmt: skip
     for prefix, (bits, axis, codebook, outliers), scale in (("k", k_fmt, 2.0), ("v", v_fmt, 1.0)):
@@ -81,11 +85,14 @@ def expected(named: dict) -> torch.Tensor:
     pre_rope=st.booleans(),
     softcap=st.sampled_from([0.0, 5.0]),
     gqa=st.sampled_from([(2, 2), (6, 2), (8, 1)]),
+    per_query=st.booleans(),
+    tile=st.sampled_from([1, 4, 256]),
 )
-def test_streaming_attention_matches_the_float64_reference(seed, tq, k_fmt, v_fmt, block, window, pad, pre_rope, softcap, gqa):
+def test_streaming_attention_matches_the_float64_reference(seed, tq, k_fmt, v_fmt, block, window, pad, pre_rope, softcap, gqa,
+                                                           per_query, tile):  # fmt: skip
     named = streaming_case(seed, tq, k_fmt, v_fmt, hq=gqa[0], hkv=gqa[1], window=window, pad=pad, pre_rope=pre_rope,
-                           softcap=softcap)  # fmt: skip
-    got = streaming_attention(**reference_arguments(named), block=block)
+                           softcap=softcap, per_query=per_query)  # fmt: skip
+    got = streaming_attention(**reference_arguments(named), block=block, tile=tile)
     torch.testing.assert_close(got.double(), expected(named), rtol=2e-5, atol=2e-5)
 
 
@@ -95,8 +102,17 @@ def test_chunks_up_to_512_queries_over_many_blocks(tq, fmt):
     named = streaming_case(3, tq, fmt, FORMATS[3], length=tq + 700, pre_rope=fmt[2], window=300 if tq == 64 else None)
     got = torch.ops.kvq.chunk_attention(**named)  # the op, as the model calls it
     torch.testing.assert_close(got.double(), expected(named), rtol=2e-5, atol=2e-5)
-    small_blocks = streaming_attention(**reference_arguments(named), block=64)
+    small_blocks = streaming_attention(**reference_arguments(named), block=64, tile=48)
     torch.testing.assert_close(small_blocks, got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["export", "inductor"])
+def test_per_query_body_ends_in_the_dense_reference_forms(target):
+    from kvq_ao.ops import run_reference
+
+    named = streaming_case(4, 24, FORMATS[2], FORMATS[3], per_query=True, pre_rope=True, residual=20)
+    assert named["body_end"].unique().numel() > 1
+    torch.testing.assert_close(run_reference((), named, target=target).double(), expected(named), rtol=2e-5, atol=2e-5)
 
 
 def test_dense_and_bounds_masks_give_the_same_result():
