@@ -5,7 +5,8 @@
   device without a native kernel, and what any such device runs eagerly.
 * `cpu/`: native C++ kernels (decode attention straight from packed codes), built with torch's
   C++ extension tools on first use and registered for the CPU dispatch key of the same ops.
-* `gpu/`: the slot for GPU kernels (empty: GPU devices run the reference).
+* `gpu/`: Triton kernels (decode attention) registered as `torch.library.triton_op`s, which CUDA
+  tensors use when triton is installed; tested on CPU in Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from kvq_ao.cache import QuantizedKVCache
 from kvq_ao.calibration import for_model
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.kernels import cpu as native_cpu
+from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.masks import dense as dense_mask
 from kvq_ao.masks import interval_bounds, is_bounds
 from kvq_ao.model_info import check_model, model_dims, rotary_of
@@ -142,6 +143,8 @@ def quantize_kv_(model, config: KVQuantConfig):
     check_model(model, config)
     register_attention()
     native_cpu.load()  # builds the native CPU kernels on first use (warns and keeps the reference without a compiler)
+    if torch.cuda.is_available():
+        gpu_kernels.load()  # the Triton decode attention for CUDA tensors (when triton is installed)
     enable_inductor_fusion()
     model.kvq_config = config
     if getattr(model, "_kvq_previous_attn", None) is None:

@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from kvq_ao import ops as _ops  # noqa: F401  (registers torch.ops.kvq)
+from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao._torchao import TorchAOBaseTensor
 from kvq_ao.quant.uniform import AXIS_CHANNEL
 
@@ -177,8 +178,12 @@ def attention_arguments(query: torch.Tensor, key: QuantizedKV, value: QuantizedK
 def attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, mask: torch.Tensor, scaling: float,
               softcap: float = 0.0) -> torch.Tensor:  # fmt: skip
     """Attention of query [B, Hq, Tq, D] over quantized keys and values -> [B, Hq, Tq, Dv]:
-    `kvq.decode_attention` for one query token (the native kernel on CPU), else `kvq.chunk_attention`."""
-    op = torch.ops.kvq.decode_attention if query.shape[2] == 1 else torch.ops.kvq.chunk_attention
+    `kvq.decode_attention` for one query token (the native kernel on CPU; on CUDA, once triton is
+    loaded, its Triton twin `kvq.triton_decode_attention`), else `kvq.chunk_attention`."""
+    if query.shape[2] == 1:
+        op = torch.ops.kvq.triton_decode_attention if gpu_kernels.serves(query.device) else torch.ops.kvq.decode_attention
+    else:
+        op = torch.ops.kvq.chunk_attention
     return op(**attention_arguments(query, key, value, mask, scaling, softcap))
 
 

@@ -1,12 +1,62 @@
-"""GPU kernels of the kvq ops: an empty slot.
+"""GPU kernels of the kvq ops, in Triton.
 
-No GPU kernel exists yet, so CUDA tensors run the reference kernels (`kvq_ao.kernels.reference`),
-which inductor traces and fuses under torch.compile. A GPU kernel belongs here, registered like the
-CPU one (`kvq_ao.kernels.cpu`): an implementation of `kvq::decode_attention` for the CUDA dispatch
-key (a Triton kernel through `torch.library.register_kernel("kvq::decode_attention", "cuda")`, or a
-C++/CUDA `TORCH_LIBRARY_IMPL(kvq, CUDA, m)`), and `kvq_ao.kernels.native_device` answering True for
-"cuda" once it is loaded, so that inductor calls it instead of fusing the reference. It must be
-checked against the reference on CPU too (Triton kernels under `TRITON_INTERPRET=1`).
+`triton_attention.py` holds the kernels (flash-decoding over the packed cache, split over tokens,
+merged with the side store) and `triton_ops.py` registers them as `kvq::triton_decode_attention`,
+a `torch.library.triton_op` with exactly the arguments of `kvq::decode_attention`, so that
+torch.compile traces into the kernel launches instead of calling an opaque op.
+
+Which op serves a call is decided per device by `kvq_ao.tensor.attention`: CUDA tensors go to the
+Triton op once it is loaded (`load()`, done by `quantize_kv_` on a machine with CUDA and triton),
+everything else to `kvq::decode_attention` (the native C++ kernel on CPU, the reference elsewhere).
+Triton is an optional dependency (`pip install kvq_ao[gpu]`); without it CUDA runs the reference.
+
+The kernels are also run on CPU tensors, in Triton's interpreter: that is how they are tested on
+machines without a GPU (`on_cpu()` routes CPU calls to them; slow, for tests and dry runs only).
+Multi-token (chunk) attention and quantize/append have no Triton kernel yet: on CUDA they run the
+reference ops (inductor fuses them under torch.compile).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+
+import torch
+
+_STATE = {"loaded": False, "cpu": False}
+
+
+def available() -> bool:
+    """Whether triton is installed (the GPU kernels' one extra dependency)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def load() -> bool:
+    """Register the Triton ops (imports triton); False when triton is not installed."""
+    if not _STATE["loaded"] and available():
+        from kvq_ao.kernels.gpu import triton_ops  # noqa: F401  (registers kvq::triton_decode_attention)
+
+        _STATE["loaded"] = True
+    return _STATE["loaded"]
+
+
+def serves(device: torch.device) -> bool:
+    """Whether the Triton decode attention serves tensors on `device`."""
+    return _STATE["loaded"] and (device.type == "cuda" or (device.type == "cpu" and _STATE["cpu"]))
+
+
+@contextlib.contextmanager
+def on_cpu():
+    """Within the block, CPU tensors are served by the Triton kernels in Triton's interpreter
+    (tests and dry runs on machines without a GPU: correct, and far slower than any other path)."""
+    if not load():
+        raise RuntimeError("kvq_ao's GPU kernels need triton: pip install 'kvq_ao[gpu]' (or pip install triton)")
+    before = _STATE["cpu"]
+    _STATE["cpu"] = True
+    try:
+        yield
+    finally:
+        _STATE["cpu"] = before
+
+
+__all__ = ["available", "load", "on_cpu", "serves"]

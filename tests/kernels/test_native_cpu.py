@@ -18,46 +18,7 @@ from kvq_ao.kernels import cpu, reference
 from kvq_ao.ops import reference_arguments
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from attention_cases import operand, positional, reference_attention
-
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def native_case(seed, *, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_TOKEN, 16, False, 0), hkv=2, ratio=3,
-                d=64, blocks=5, body_end=None, side="some", batch=2, left_pad=0, window=0, head_mask=False,
-                pre_rope=False, softcap=0.0, dtype=torch.float32):  # fmt: skip
-    """Named decode-attention arguments; the cache holds `blocks` blocks of 16 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    t = 16 * blocks
-    hq = hkv * ratio
-    length = t if body_end is None else body_end + 3  # the query's position + 1
-    body_end = t - 5 if body_end is None else body_end
-    k = torch.randn(batch, hkv, t, d, generator=g) * 2
-    v = torch.randn(batch, hkv, t, d, generator=g)
-    named = {"q": torch.randn(batch, hq, 1, d, generator=g).to(dtype)}
-    named.update(operand(k, "k", *k_fmt, dtype=dtype))
-    named.update(operand(v, "v", *v_fmt, dtype=dtype))
-    positions = {"empty": [], "some": [0, *range(body_end, min(length, t))], "full": list(range(t))}[side]
-    n_side = max(len(positions), 1) + 1
-    side_pos = torch.full((n_side,), -1, dtype=torch.int64)
-    side_pos[: len(positions)] = torch.tensor(positions, dtype=torch.int64)
-    named["side_k"] = torch.randn(batch, hkv, n_side, d, generator=g).to(dtype)
-    named["side_v"] = torch.randn(batch, hkv, n_side, d, generator=g).to(dtype)
-    named["side_pos"] = side_pos
-    named["body_end"] = torch.tensor(body_end)
-    pos = torch.arange(t)
-    mask = (pos < length).expand(batch, hq if head_mask else 1, 1, t).clone()
-    for b in range(batch):  # left padding grows with the batch row
-        mask[b, :, :, : left_pad * b] = False
-    if window:
-        mask &= pos > length - 1 - window
-    if head_mask:
-        mask[:, 1::2, :, 3:20] = False
-    named["mask"] = mask
-    named["rope_inv_freq"] = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)) if pre_rope else None
-    named.update(body_start=1, scaling=d**-0.5, rope_scale=1.25 if pre_rope else 1.0, softcap=softcap)
-    return named
-
+from attention_cases import FORMATS, TOLERANCE, native_case, positional, reference_attention
 
 def check(named):
     native = torch.ops.kvq.decode_attention(**named)
@@ -68,15 +29,6 @@ def check(named):
     torch.testing.assert_close(native.double(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(native.double(), ref.double(), rtol=tol, atol=tol)
     return native
-
-
-FORMATS = st.tuples(
-    st.sampled_from([0, 2, 3, 4, 8]),  # bits (0: a float body)
-    st.sampled_from([AXIS_TOKEN, AXIS_CHANNEL]),
-    st.sampled_from([8, 16]),  # group
-    st.booleans(),  # codebook levels (2-4 bits)
-    st.sampled_from([0, 0, 1, 2]),  # outlier slots per vector
-)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,274 @@
+"""Triton kernels of decode attention over the packed cache (flash-decoding, split over tokens).
+
+One query token attends a layer's cache straight from its packed codes; no float K/V is ever
+written. Two kernels, as flash-decoding does it:
+
+* `_decode_split`: program (b * Hkv + h, split) walks the body's token blocks split, split + S,
+  split + 2S, ... (interleaved, so every split gets an equal share of however much of the
+  capacity is filled: the filled length is a device tensor, never read on the host, so the launch
+  needs no synchronization and CUDA graphs can capture it). Each block is unpacked and
+  dequantized in registers (uniform or codebook levels, per-token or per-channel groups, outlier
+  slots, pre-RoPE keys rotated at their positions) and attended by all n query heads that share
+  the kv head (GQA: one read of K/V for the group), with an online softmax; the program writes its
+  running max, sum of exponentials and weighted sum.
+* `_decode_merge`: program (b * Hkv + h) merges the splits by log-sum-exp, attends the
+  full-precision side store (sink and recent window, the entries outside the body's readable
+  range), normalizes and writes the output in the model's dtype.
+
+Keys are handled as two halves of head_dim, [0, D/2) and [D/2, D): RoPE rotates channel i with
+channel i + D/2 (transformers' `rotate_half`), so with halves the rotation is elementwise.
+
+The same kernel sources run on CPU tensors in Triton's interpreter (`interpreted`), which is how
+they are tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import types
+
+import triton
+import triton.language as tl
+
+
+# Triton's standard library (tl.sum, tl.max, tl.zeros, tl.cdiv) is itself jit functions, which the
+# interpreter can call only when triton was imported with TRITON_INTERPRET=1 (and then torch.compile
+# could not trace our kernels). These kernels therefore use only builtins: reductions are tl.reduce
+# with the standard library's own combine functions, which the interpreter runs as numpy reductions.
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh that the interpreter also runs; exact at both ends (exp overflows to inf -> -1)
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _dequant(codes, scale, zero, levels, out_val, out_idx, row, t, d, ok_t, ok_d, T,
+             D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr,
+             CODEBOOK: tl.constexpr, N_OUT: tl.constexpr):  # fmt: skip
+    """Float32 [len(t), len(d)] values of operand row `row` (= batch * heads + head) at token
+    positions t and channels d, from the planar packed layout of `kvq_ao.quant.packing`."""
+    ok = ok_t[:, None] & ok_d[None, :]
+    vec = row * T + t  # int64 vector index [len(t)]
+    if BITS == 0:  # a float body
+        x = tl.load(codes + vec[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        ROW_BYTES: tl.constexpr = D * BITS // 8
+        if BITS == 3:  # 24-bit words of 8 codes, stored as three byte planes of P bytes
+            P3: tl.constexpr = D // 8
+            at = codes + vec[:, None] * ROW_BYTES + (d % P3)[None, :]
+            word = tl.load(at, mask=ok, other=0).to(tl.int32)
+            word = word | (tl.load(at + P3, mask=ok, other=0).to(tl.int32) << 8)
+            word = word | (tl.load(at + 2 * P3, mask=ok, other=0).to(tl.int32) << 16)
+            shift = (d // P3) * 3
+        else:  # 8 // BITS codes per byte, plane i in bits [i * BITS, (i + 1) * BITS)
+            P: tl.constexpr = D * BITS // 8
+            word = tl.load(codes + vec[:, None] * ROW_BYTES + (d % P)[None, :], mask=ok, other=0).to(tl.int32)
+            shift = (d // P) * BITS
+        code = (word >> shift[None, :]) & ((1 << BITS) - 1)
+        if CODEBOOK:
+            level = tl.load(levels + code)
+        else:
+            level = code.to(tl.float32)
+        if AXIS == 0:  # per-token groups: metadata [.., T, D / GROUP]
+            meta = vec[:, None] * (D // GROUP) + (d // GROUP)[None, :]
+        else:  # per-channel groups of GROUP tokens: metadata [.., T / GROUP, D]
+            meta = (row * (T // GROUP) + t // GROUP)[:, None] * D + d[None, :]
+        s = tl.load(scale + meta, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(zero + meta, mask=ok, other=0.0).to(tl.float32)
+        x = level * s + z
+    for j in tl.static_range(N_OUT):  # exact outliers replace their channel
+        idx = tl.load(out_idx + vec * N_OUT + j, mask=ok_t, other=255).to(tl.int32)
+        val = tl.load(out_val + vec * N_OUT + j, mask=ok_t, other=0.0).to(tl.float32)
+        x = tl.where(d[None, :] == idx[:, None], val[:, None], x)
+    return x
+
+
+@triton.jit
+def _rope(x1, x2, pos, inv_freq, dh, ok_dh, rope_scale):
+    """Rotate key halves x1, x2 [n, DH] at positions pos [n] (transformers' apply_rotary_pos_emb)."""
+    freq = tl.load(inv_freq + dh, mask=ok_dh, other=0.0)
+    angle = pos.to(tl.float32)[:, None] * freq[None, :]
+    c = tl.cos(angle) * rope_scale
+    s = tl.sin(angle) * rope_scale
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _softmax_step(m, l, acc, scores, v):
+    """One online-softmax step: running max m [NP], sum l [NP], weighted sum acc [NP, DV] updated
+    with scores [NP, n] (-inf = not allowed) over values v [n, DV]."""
+    m_new = tl.maximum(m, _max(scores, axis=1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp finite
+    p = tl.exp(scores - base[:, None])
+    alpha = tl.exp(m - base)
+    l = l * alpha + _sum(p, axis=1)
+    acc = acc * alpha[:, None] + _sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l, acc
+
+
+@triton.jit
+def _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP: tl.constexpr):
+    """Scaled (and soft-capped) scores [NP, n] of query halves [NP, DH] against key halves [n, DH]."""
+    s = _sum(q1[:, None, :] * k1[None, :, :], axis=2) + _sum(q2[:, None, :] * k2[None, :, :], axis=2)
+    s = s * scaling
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return tl.where(allow, s, float("-inf"))
+
+
+@triton.jit
+def _allowed(mask, b, qh, ok_h, pos, ok, T, HQ, MASK_HEADS: tl.constexpr):
+    """The bool mask [B, 1 or Hq, 1, T] at positions pos [n] for query heads qh [NP] -> [NP, n]."""
+    if MASK_HEADS == 1:
+        m = tl.load(mask + b * T + pos, mask=ok, other=0) != 0
+        return ok_h[:, None] & (ok & m)[None, :]
+    m = tl.load(mask + (b * HQ + qh)[:, None] * T + pos[None, :], mask=ok_h[:, None] & ok[None, :], other=0) != 0
+    return m & ok[None, :]
+
+
+@triton.jit
+def _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D: tl.constexpr, HALF: tl.constexpr):
+    at = q + (b * HQ + qh)[:, None] * D + dh[None, :]
+    ok = ok_h[:, None] & ok_dh[None, :]
+    return tl.load(at, mask=ok, other=0.0).to(tl.float32), tl.load(at + HALF, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decode_split(
+    q, k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx,
+    v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx,
+    mask, inv_freq, body_end, part_m, part_l, part_acc,
+    body_start, T, HKV, HQ, n_splits, scaling, rope_scale, softcap,
+    N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr,
+    DV: tl.constexpr, BDV: tl.constexpr, MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
+    V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pid.to(tl.int64)  # b * HKV + h: the operand row of this kv head
+    b = pid // HKV
+    heads = tl.arange(0, NP)
+    ok_h = heads < N
+    qh = (pid % HKV) * N + heads  # the query heads reading this kv head
+    dh = tl.arange(0, DH)
+    ok_dh = dh < HALF
+    dv = tl.arange(0, BDV)
+    ok_dv = dv < DV
+    q1, q2 = _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D, HALF)
+    end = tl.load(body_end)
+    m = tl.full([NP], float("-inf"), tl.float32)
+    l = tl.full([NP], 0.0, tl.float32)
+    acc = tl.full([NP, BDV], 0.0, tl.float32)
+    for blk in range(body_start // BLOCK_T + split, (end + BLOCK_T - 1) // BLOCK_T, n_splits):
+        t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        ok_t = (t >= body_start) & (t < end)
+        allow = _allowed(mask, b, qh, ok_h, t, ok_t, T, HQ, MASK_HEADS)
+        k1 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
+                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+        k2 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
+                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+        if PRE_ROPE:
+            k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
+        s = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
+        v = _dequant(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
+                     DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
+        m, l, acc = _softmax_step(m, l, acc, s, v)
+    part = (row * n_splits + split) * NP + heads
+    tl.store(part_m + part, m)
+    tl.store(part_l + part, l)
+    tl.store(part_acc + part[:, None] * BDV + dv[None, :], acc)
+
+
+@triton.jit
+def _decode_merge(
+    q, side_k, side_v, side_pos, mask, inv_freq, body_end, part_m, part_l, part_acc, out,
+    body_start, T, S, HKV, HQ, n_splits, scaling, rope_scale, softcap,
+    N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr,
+    DV: tl.constexpr, BDV: tl.constexpr, MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    row = pid.to(tl.int64)
+    b = pid // HKV
+    heads = tl.arange(0, NP)
+    ok_h = heads < N
+    qh = (pid % HKV) * N + heads
+    dh = tl.arange(0, DH)
+    ok_dh = dh < HALF
+    dv = tl.arange(0, BDV)
+    ok_dv = dv < DV
+    m = tl.full([NP], float("-inf"), tl.float32)
+    l = tl.full([NP], 0.0, tl.float32)
+    acc = tl.full([NP, BDV], 0.0, tl.float32)
+    for split in range(0, n_splits):  # merge the body's splits by log-sum-exp
+        part = (row * n_splits + split) * NP + heads
+        m_s = tl.load(part_m + part)
+        m_new = tl.maximum(m, m_s)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a, a_s = tl.exp(m - base), tl.exp(m_s - base)
+        l = l * a + tl.load(part_l + part) * a_s
+        acc = acc * a[:, None] + tl.load(part_acc + part[:, None] * BDV + dv[None, :]) * a_s[:, None]
+        m = m_new
+    end = tl.load(body_end)
+    q1, q2 = _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D, HALF)
+    for s0 in range(0, S, BLOCK_S):  # the side store: entries outside the body's readable range
+        j = s0 + tl.arange(0, BLOCK_S)
+        pos = tl.load(side_pos + j, mask=j < S, other=-1)
+        ok = (pos >= 0) & ((pos < body_start) | (pos >= end))
+        at = tl.maximum(pos, 0)  # an empty slot (-1) reads column 0, then is not allowed
+        allow = _allowed(mask, b, qh, ok_h, at, ok, T, HQ, MASK_HEADS)
+        vec = row * S + j
+        k_at = side_k + vec[:, None] * D + dh[None, :]
+        k_ok = ok[:, None] & ok_dh[None, :]
+        k1 = tl.load(k_at, mask=k_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0).to(tl.float32)
+        if PRE_ROPE:
+            k1, k2 = _rope(k1, k2, at, inv_freq, dh, ok_dh, rope_scale)
+        sc = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
+        v = tl.load(side_v + vec[:, None] * DV + dv[None, :], mask=ok[:, None] & ok_dv[None, :], other=0.0).to(tl.float32)
+        m, l, acc = _softmax_step(m, l, acc, sc, v)
+    result = acc / tl.where(l > 0, l, 1.0)[:, None]  # a query that sees nothing gets zeros
+    at = out + (b * HQ + qh)[:, None] * DV + dv[None, :]
+    tl.store(at, result.to(out.dtype.element_ty), mask=ok_h[:, None] & ok_dv[None, :])
+
+
+KERNELS = ("_decode_split", "_decode_merge")
+
+
+def _interpreted_module() -> dict:
+    """The module's jit functions as Triton-interpreter functions, in a copy of its globals (so a
+    kernel's calls to helpers resolve to their interpreted versions, while the JIT versions in this
+    module stay what torch.compile traces and GPUs compile)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    space = dict(globals())
+    for name, value in list(space.items()):
+        if isinstance(value, triton.runtime.jit.JITFunction):
+            fn = value.fn
+            clone = types.FunctionType(fn.__code__, space, fn.__name__, fn.__defaults__, fn.__closure__)
+            space[name] = InterpretedFunction(clone)
+    return space
+
+
+_INTERPRETED: dict = {}
+
+
+def interpreted(name: str):
+    """Kernel `name` in Triton's interpreter (runs on CPU tensors)."""
+    if not _INTERPRETED:
+        _INTERPRETED.update(_interpreted_module())
+    return _INTERPRETED[name]
+
+
+__all__ = ["KERNELS", "interpreted"]

@@ -1,0 +1,151 @@
+"""The Triton decode-attention kernels against the float64 reference, run on CPU tensors in Triton's
+interpreter (the same kernel sources a GPU compiles), and traced by torch.compile.
+
+Every format combination the native CPU kernel covers (tests/kernels/test_native_cpu.py): 2/3/4/8-bit
+uniform and codebook levels, per-channel and per-token groups, outlier slots, pre-RoPE keys, a float
+body, GQA ratios 1/3/8, head_dim 64/128/256, odd lengths, empty and full side stores, left padding,
+sliding windows, per-head masks, soft-capping, fp32/fp16/bf16. Shapes are small: the interpreter
+runs each program in Python.
+"""
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton", reason="the GPU kernels' tests need triton (installed with the test extra)")
+
+from kvq_ao import KVQuantConfig, make_cache, quantize_kv_  # noqa: E402
+from kvq_ao.kernels import gpu, reference  # noqa: E402
+from kvq_ao.ops import ATTENTION_SCHEMA, reference_arguments  # noqa: E402
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN  # noqa: E402
+
+from attention_cases import FORMATS, TOLERANCE, native_case, positional, reference_attention  # noqa: E402
+from conftest import kvquant_config, tiny_llama  # noqa: E402
+
+gpu.load()
+
+
+def triton_attention(named):
+    return torch.ops.kvq.triton_decode_attention(**named)
+
+
+def check(named):
+    out = triton_attention(named)
+    tol = TOLERANCE[named["q"].dtype]
+    assert out.shape == named["q"].shape[:3] + named["side_v"].shape[-1:] and out.dtype == named["q"].dtype
+    torch.testing.assert_close(out.double(), reference_attention(named), rtol=tol, atol=tol)
+    ref = reference.attention(**reference_arguments(named), target="eager")
+    torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
+    return out
+
+
+def test_the_triton_op_takes_exactly_the_decode_attention_arguments():
+    """The schema torch infers from the Python signature is the one ATTENTION_SCHEMA defines, so the
+    two ops are interchangeable per device."""
+    def arguments(schema):  # name, type (an inferred int is a SymInt), default
+        return [(a.name, re.sub(r"\bSymInt\b", "int", str(a.type)), a.default_value) for a in schema.arguments]
+
+    inferred = torch.ops.kvq.triton_decode_attention.default._schema
+    assert arguments(inferred) == arguments(torch._C.parse_schema("kvq::decode_attention" + ATTENTION_SCHEMA))
+    assert [str(r.type) for r in inferred.returns] == ["Tensor"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), k_fmt=FORMATS, v_fmt=FORMATS, ratio=st.sampled_from([1, 3, 8]),
+       hkv=st.sampled_from([1, 2]), d=st.sampled_from([64, 128, 256]), blocks=st.integers(1, 9),
+       side=st.sampled_from(["empty", "some", "full"]), left_pad=st.sampled_from([0, 5, 21]),
+       window=st.sampled_from([0, 7, 40]), head_mask=st.booleans(), pre_rope=st.booleans(),
+       softcap=st.sampled_from([0.0, 0.0, 2.5]), dtype=st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))  # fmt: skip
+def test_triton_decode_attention_matches_the_reference(seed, k_fmt, v_fmt, ratio, hkv, d, blocks, side, left_pad,
+                                                       window, head_mask, pre_rope, softcap, dtype):  # fmt: skip
+    body_end = max(1, 16 * blocks - 7 - seed % 9)  # ends mid-block, odd or even
+    check(native_case(seed, k_fmt=k_fmt, v_fmt=v_fmt, hkv=hkv, ratio=ratio, d=d, blocks=blocks, body_end=body_end,
+                      side=side, left_pad=left_pad, window=window, head_mask=head_mask, pre_rope=pre_rope,
+                      softcap=softcap, dtype=dtype))  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("codebook", [False, True])
+def test_every_width_with_outliers_and_pre_rope_keys(bits, codebook):
+    """Each width once with every feature on, so no format depends on hypothesis drawing it."""
+    fmt_k = (bits, AXIS_CHANNEL, 16, codebook, 2)
+    fmt_v = (bits, AXIS_TOKEN, 8, codebook, 1)
+    check(native_case(bits, k_fmt=fmt_k, v_fmt=fmt_v, pre_rope=True, blocks=3, head_mask=True))
+
+
+@pytest.mark.parametrize("ratio,d", [(1, 64), (3, 64), (8, 64), (3, 128), (3, 256)])
+def test_gqa_ratios_and_head_dims_over_many_blocks(ratio, d):
+    """Long enough (13 blocks of 64 tokens over 3 splits) that the interleaved splits and their
+    log-sum-exp merge are exercised."""
+    named = native_case(0, hkv=1, batch=1, ratio=ratio, d=d, blocks=52, k_fmt=(2, AXIS_CHANNEL, 16, False, 0),
+                        v_fmt=(2, AXIS_TOKEN, 16, False, 0))  # fmt: skip
+    check(named)
+
+
+def test_masks_change_the_result():
+    """The mask tests above would pass vacuously if the kernel ignored the masks."""
+    plain = check(native_case(1))
+    assert not torch.allclose(plain[1], check(native_case(1, left_pad=30))[1], atol=1e-4)
+    assert not torch.allclose(plain, check(native_case(1, window=20)), atol=1e-4)
+
+
+def test_a_query_with_nothing_visible_gets_zeros():
+    named = native_case(2, side="empty")
+    named["mask"] = torch.zeros_like(named["mask"])
+    assert torch.equal(triton_attention(named), torch.zeros(2, 6, 1, 64))
+
+
+def test_bad_input_gets_the_ops_own_error():
+    named = native_case(3)
+    named["q"] = named["q"].expand(-1, -1, 2, -1)
+    with pytest.raises(ValueError, match="takes one query token"):
+        triton_attention(named)
+
+
+def test_opcheck_triton_decode_attention():
+    """Registration and fake kernel (the schema, fake tensors, no mutation of inputs)."""
+    named = native_case(3, k_fmt=(3, AXIS_CHANNEL, 16, True, 1), pre_rope=True, blocks=2)
+    torch.library.opcheck(torch.ops.kvq.triton_decode_attention.default, positional(named),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+def test_cpu_is_served_by_the_triton_kernels_only_when_asked():
+    cpu = torch.device("cpu")
+    assert not gpu.serves(cpu)
+    with gpu.on_cpu():
+        assert gpu.serves(cpu)
+    assert not gpu.serves(cpu)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "kvquant-nuq3-1pct"])
+def test_compiled_decode_step_traces_the_triton_op_without_graph_breaks(preset):
+    """A decode step of a quantized model, compiled with fullgraph=True while the Triton kernels serve
+    CPU tensors: one graph, the Triton op in it once per layer, the result of the eager step (native
+    kernel). Dynamo traces; the graph runs the kernels in the interpreter (inductor's lowering of the
+    Triton launches needs a GPU driver and is exercised by benchmarks/gpu.py on a GPU)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = tiny_llama(seed=3)
+    cfg = KVQuantConfig.preset("kivi-2") if preset == "kivi-2" else kvquant_config(bits=3, outliers=0.02, model=model)
+    quantize_kv_(model, cfg)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def prefilled():
+        cache = make_cache(model, cfg, max_cache_len=64)
+        model(ids, cache=cache)
+        return cache
+
+    with torch.no_grad():
+        eager = model(ids[:, -1:], cache=prefilled()).logits
+        counter = CompileCounterWithBackend("eager")
+        step = torch.compile(lambda token, cache: model(token, cache=cache).logits, backend=counter, fullgraph=True)
+        torch._dynamo.reset()
+        with gpu.on_cpu():
+            compiled = step(ids[:, -1:], prefilled())
+    assert counter.frame_count == 1
+    calls = [n for n in counter.graphs[0].graph.nodes if "triton_decode_attention" in str(n.target)]
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
