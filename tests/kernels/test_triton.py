@@ -149,3 +149,24 @@ def test_compiled_decode_step_traces_the_triton_op_without_graph_breaks(preset):
     calls = [n for n in counter.graphs[0].graph.nodes if "triton_decode_attention" in str(n.target)]
     assert len(calls) == model.config.num_hidden_layers
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_the_gpu_benchmark_dry_run_checks_and_times_every_section(tmp_path):
+    """benchmarks/gpu.py --dry-run: the script a lent GPU machine runs, on CPU tensors in the
+    interpreter at tiny shapes; its correctness section passed and every section produced rows."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "gpu.json"
+    run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--out", str(out)], cwd=root,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    presets = {"kivi-4", "kivi-2", "kvquant-3-1pct", "kvquant-2-1pct"}
+    assert {r["format"] for r in rows if r["section"] == "check" and r["ok"]} == presets
+    assert {r["format"] for r in rows if r["section"] == "attention"} == presets | {"sdpa-bf16"}
+    assert {r["format"] for r in rows if r["section"] == "step"} == {"fp", "kivi-4", "kivi-2"}
+    assert all(r["ms"] > 0 for r in rows if "ms" in r)
