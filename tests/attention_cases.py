@@ -4,6 +4,7 @@ the op, native-kernel, Triton, compile and KVQuant tests."""
 import torch
 from hypothesis import strategies as st
 
+from kvq_ao import masks
 from kvq_ao.ops import ATTENTION_FIELDS, reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
@@ -153,3 +154,54 @@ FORMATS = st.tuples(
     st.booleans(),  # codebook levels (2-4 bits)
     st.sampled_from([0, 0, 1, 2]),  # outlier slots per vector
 )
+
+
+STREAM_FORMATS = [  # (bits, axis, codebook, outliers)
+    (0, AXIS_TOKEN, False, 0),
+    (2, AXIS_CHANNEL, False, 0),
+    (3, AXIS_CHANNEL, True, 1),
+    (4, AXIS_TOKEN, False, 0),
+    (2, AXIS_TOKEN, True, 2),
+    (8, AXIS_CHANNEL, False, 0),
+    (4, AXIS_CHANNEL, False, 1),
+]
+
+
+def bounds_for(batch: int, q_pos: torch.Tensor, pad: list[int], window: int | None) -> torch.Tensor:
+    lo = torch.tensor(pad).view(-1, 1).expand(batch, q_pos.numel())
+    if window:
+        lo = torch.maximum(lo, q_pos.view(1, -1) - window + 1)
+    hi = (q_pos + 1).view(1, -1).expand(batch, -1)
+    return torch.stack([torch.minimum(lo, hi), hi], -1).unsqueeze(1)
+
+
+def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(0, 0), pre_rope=False, softcap=0.0,
+                   length=None, sink=1, residual=7, per_query=False):  # fmt: skip
+    """A layer's cache of `length` tokens (capacity rounded up to 16s) with `tq` queries at its end:
+    sink position 0 and the last `residual`-ish positions in the side store, the rest in the body.
+    per_query: each query has its own body end (as the cache gives a prefill chunk), and the side
+    store holds everything from the first query's body end on."""
+    g = torch.Generator().manual_seed(seed)
+    length = length or max(tq, 1) + 40
+    t = -(-length // 16) * 16 + 16
+    q_pos = torch.arange(length - tq, length)
+    ends = torch.clamp(q_pos + 1 - residual, min=0) // 16 * 16
+    body_end = int(ends[0]) if per_query else max((length - residual) // 16 * 16, 0)
+    side = [0] + list(range(max(body_end, 1), length)) if sink else list(range(body_end, length))
+    side_pos = torch.tensor(side + [-1])  # one empty slot
+    named = dict(q=torch.randn(2, hq, tq, d, generator=g), side_k=torch.randn(2, hkv, len(side_pos), d, generator=g),
+                 side_v=torch.randn(2, hkv, len(side_pos), d, generator=g), side_pos=side_pos,
+                 body_end=ends if per_query else torch.tensor(body_end), body_start=sink, scaling=d**-0.5, softcap=softcap,
+                 rope_inv_freq=(1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)) if pre_rope else None,
+                 rope_scale=1.25 if pre_rope else 1.0)  # fmt: skip
+    for prefix, (bits, axis, codebook, outliers), scale in (("k", k_fmt, 2.0), ("v", v_fmt, 1.0)):
+        x = torch.randn(2, hkv, t, d, generator=g) * scale
+        named.update(operand(x, prefix, bits, axis, 16, codebook, outliers if axis == AXIS_CHANNEL or bits else 0))
+    named["mask"] = bounds_for(2, torch.arange(length - tq, length), list(pad), window)
+    return named
+
+
+def expected_streaming(named: dict) -> torch.Tensor:
+    """The float64 reference of a streaming case (its bounds mask made dense)."""
+    dense = dict(named, mask=masks.dense(named["mask"], named["k_codes"].shape[2]))
+    return reference_attention(dense)

@@ -1,19 +1,22 @@
 """GPU kernels of the kvq ops, in Triton.
 
-`triton_attention.py` holds the kernels (flash-decoding over the packed cache, split over tokens,
-merged with the side store) and `triton_ops.py` registers them as `kvq::triton_decode_attention`,
-a `torch.library.triton_op` with exactly the arguments of `kvq::decode_attention`, so that
-torch.compile traces into the kernel launches instead of calling an opaque op.
+`triton_attention.py` holds the kernels: one-token decode attention (flash-decoding over the packed
+cache, split over tokens, merged with the side store) and multi-token chunk attention (tiles of
+queries x the query heads of a kv head, streaming the body block by block with an online softmax,
+masks as key-position bounds or dense). `triton_ops.py` registers them as
+`kvq::triton_decode_attention` and `kvq::triton_chunk_attention`, `torch.library.triton_op`s with
+exactly the arguments of `kvq::decode_attention` / `kvq::chunk_attention`, so that torch.compile
+traces into the kernel launches instead of calling an opaque op.
 
 Which op serves a call is decided per device by `kvq_ao.tensor.attention`: CUDA tensors go to the
-Triton op once it is loaded (`load()`, done by `quantize_kv_` on a machine with CUDA and triton),
-everything else to `kvq::decode_attention` (the native C++ kernel on CPU, the reference elsewhere).
+Triton ops once they are loaded (`load()`, done by `quantize_kv_` on a machine with CUDA and triton),
+everything else to the kvq ops (the native C++ decode kernel on CPU, the reference elsewhere).
 Triton is an optional dependency (`pip install kvq_ao[gpu]`); without it CUDA runs the reference.
 
 The kernels are also run on CPU tensors, in Triton's interpreter: that is how they are tested on
 machines without a GPU (`on_cpu()` routes CPU calls to them; slow, for tests and dry runs only).
-Multi-token (chunk) attention and quantize/append have no Triton kernel yet: on CUDA they run the
-reference ops (inductor fuses them under torch.compile).
+Quantize/append has no Triton kernel yet: on CUDA it runs the reference op (inductor fuses it
+under torch.compile).
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ def available() -> bool:
 def load() -> bool:
     """Register the Triton ops (imports triton); False when triton is not installed."""
     if not _STATE["loaded"] and available():
-        from kvq_ao.kernels.gpu import triton_ops  # noqa: F401  (registers kvq::triton_decode_attention)
+        from kvq_ao.kernels.gpu import triton_ops  # noqa: F401  (registers the kvq::triton_* ops)
 
         _STATE["loaded"] = True
     return _STATE["loaded"]
 
 
 def serves(device: torch.device) -> bool:
-    """Whether the Triton decode attention serves tensors on `device`."""
+    """Whether the Triton attention ops serve tensors on `device`."""
     return _STATE["loaded"] and (device.type == "cuda" or (device.type == "cpu" and _STATE["cpu"]))
 
 

@@ -45,6 +45,11 @@ def _max(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _min(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)
+
+
+@triton.jit
 def _tanh(x):
     # tl has no tanh that the interpreter also runs; exact at both ends (exp overflows to inf -> -1)
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
@@ -243,7 +248,122 @@ def _decode_merge(
     tl.store(at, result.to(out.dtype.element_ty), mask=ok_h[:, None] & ok_dv[None, :])
 
 
-KERNELS = ("_decode_split", "_decode_merge")
+@triton.jit
+def _softmax_step_dot(m, l, acc, scores, v, PRECISION: tl.constexpr):
+    """`_softmax_step` for many rows: the weighted sum as a matrix product (tensor cores on a GPU)."""
+    m_new = tl.maximum(m, _max(scores, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - base[:, None])
+    alpha = tl.exp(m - base)
+    l = l * alpha + _sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _chunk_attention(
+    q, k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx,
+    v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx,
+    side_k, side_v, side_pos, mask, inv_freq, body_end, out,
+    body_start, T, S, TQ, HKV, HQ, scaling, rope_scale, softcap,
+    N: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+    BOUNDS: tl.constexpr, MASK_HEADS: tl.constexpr, PER_QUERY_END: tl.constexpr, PRE_ROPE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
+    V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Queries [tile * BLOCK_Q, + BLOCK_Q) of all N query heads of kv head (program 0 = b * HKV + h),
+    as M rows (head-major), over the body blocks any row may read and then the side store, with an
+    online softmax. Each row reads body positions [max(body_start, lo), min(its body end, hi)) where
+    the mask (int64 bounds [B, 1, TQ, 2] = lo, hi, or bool [B, 1 or HQ, TQ, T]) allows, and side entries
+    outside [body_start, its body end)."""
+    pid = tl.program_id(0)
+    tile = tl.program_id(1)
+    row = pid.to(tl.int64)
+    b = pid // HKV
+    r = tl.arange(0, M)
+    head = r // BLOCK_Q
+    qi = tile * BLOCK_Q + r % BLOCK_Q
+    ok_r = (head < N) & (qi < TQ)
+    qh = (pid % HKV) * N + head
+    dh = tl.arange(0, DH)
+    ok_dh = dh < HALF
+    dv = tl.arange(0, BDV)
+    ok_dv = dv < DV
+    q_at = q + ((b * HQ + qh).to(tl.int64) * TQ + qi)[:, None] * D + dh[None, :]
+    q_ok = ok_r[:, None] & ok_dh[None, :]
+    q1 = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
+    q2 = tl.load(q_at + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    if PER_QUERY_END:
+        end = tl.load(body_end + qi, mask=ok_r, other=0)
+    else:
+        end = tl.load(body_end) + qi * 0
+    if BOUNDS:
+        lo = tl.load(mask + (b * TQ + qi) * 2, mask=ok_r, other=0)
+        hi = tl.load(mask + (b * TQ + qi) * 2 + 1, mask=ok_r, other=0)
+    else:
+        lo = qi * 0
+        hi = qi * 0 + T
+    if MASK_HEADS == 1:  # dense masks only: the row of each query's mask
+        mask_row = (b.to(tl.int64) * TQ + qi) * T
+    else:
+        mask_row = ((b * HQ + qh).to(tl.int64) * TQ + qi) * T
+    first = _min(tl.where(ok_r, tl.maximum(lo, body_start), T), 0)
+    last = _max(tl.where(ok_r, tl.minimum(end, hi), 0), 0)
+    m = tl.full([M], float("-inf"), tl.float32)
+    l = tl.full([M], 0.0, tl.float32)
+    acc = tl.full([M, BDV], 0.0, tl.float32)
+    for blk in range(first // BLOCK_T, (last + BLOCK_T - 1) // BLOCK_T):
+        t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        ok_t = t < T
+        allow = ok_r[:, None] & ok_t[None, :] & (t[None, :] >= body_start) & (t[None, :] < end[:, None])
+        allow = allow & (t[None, :] >= lo[:, None]) & (t[None, :] < hi[:, None])
+        if BOUNDS == 0:
+            allow = allow & (tl.load(mask + mask_row[:, None] + t[None, :], mask=allow, other=0) != 0)
+        k1 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
+                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+        k2 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
+                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+        if PRE_ROPE:
+            k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
+        s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        s = s * scaling
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(allow, s, float("-inf"))
+        v = _dequant(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
+                     DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
+        m, l, acc = _softmax_step_dot(m, l, acc, s, v, PRECISION)
+    for s0 in range(0, S, BLOCK_S):  # the side store: each row reads the entries outside its body range
+        j = s0 + tl.arange(0, BLOCK_S)
+        pos = tl.load(side_pos + j, mask=j < S, other=-1)
+        at = tl.maximum(pos, 0)
+        allow = ok_r[:, None] & (pos >= 0)[None, :] & ((pos[None, :] < body_start) | (pos[None, :] >= end[:, None]))
+        allow = allow & (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+        if BOUNDS == 0:
+            allow = allow & (tl.load(mask + mask_row[:, None] + at[None, :], mask=allow, other=0) != 0)
+        ok_j = pos >= 0
+        vec = row * S + j
+        k_at = side_k + vec[:, None] * D + dh[None, :]
+        k_ok = ok_j[:, None] & ok_dh[None, :]
+        k1 = tl.load(k_at, mask=k_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0).to(tl.float32)
+        if PRE_ROPE:
+            k1, k2 = _rope(k1, k2, at, inv_freq, dh, ok_dh, rope_scale)
+        sc = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        sc = sc * scaling
+        if SOFTCAP:
+            sc = softcap * _tanh(sc / softcap)
+        sc = tl.where(allow, sc, float("-inf"))
+        v = tl.load(side_v + vec[:, None] * DV + dv[None, :], mask=ok_j[:, None] & ok_dv[None, :], other=0.0).to(tl.float32)
+        m, l, acc = _softmax_step_dot(m, l, acc, sc, v, PRECISION)
+    result = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_at = out + ((b * HQ + qh).to(tl.int64) * TQ + qi)[:, None] * DV + dv[None, :]
+    tl.store(o_at, result.to(out.dtype.element_ty), mask=ok_r[:, None] & ok_dv[None, :])
+
+
+KERNELS = ("_decode_split", "_decode_merge", "_chunk_attention")
 
 
 def _interpreted_module() -> dict:

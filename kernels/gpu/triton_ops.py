@@ -19,6 +19,7 @@ from kvq_ao.ops import _check_attention
 
 BLOCK_T = 64  # body tokens per step of a split program
 BLOCK_S = 32  # side entries per step of the merge program
+CHUNK_BLOCK_Q = 16  # queries per chunk-attention program (times the query heads sharing a kv head)
 SPLITS_PER_SM = 4  # split programs per streaming multiprocessor (flash-decoding's occupancy rule)
 INTERPRETER_SPLITS = 3  # on CPU: enough splits that the merge is exercised, few enough to be quick
 
@@ -53,6 +54,20 @@ def _format(named: dict, prefix: str, dummy: torch.Tensor) -> tuple[list[torch.T
     return tensors, {f"{prefix.upper()}_{k}": v for k, v in fmt.items()}
 
 
+def _common(named: dict) -> tuple[list, dict]:
+    """The launch arguments both kernels share: operand tensors (contiguous) and the shapes and
+    formats they are compiled for."""
+    q, k_codes, side_v = named["q"], named["k_codes"], named["side_v"]
+    d, hkv, hq, dv = q.shape[-1], k_codes.shape[1], q.shape[1], side_v.shape[-1]
+    k_tensors, k_fmt = _format(named, "k", q)
+    v_tensors, v_fmt = _format(named, "v", q)
+    rope = named["rope_inv_freq"]
+    shape = dict(N=hq // hkv, D=d, HALF=d // 2, DH=triton.next_power_of_2(d // 2), DV=dv, BDV=triton.next_power_of_2(dv),
+                 PRE_ROPE=rope is not None, SOFTCAP=named["softcap"] > 0, **k_fmt, **v_fmt)  # fmt: skip
+    inv_freq = q if rope is None else rope.float().contiguous()
+    return [*k_tensors, *v_tensors], dict(shape=shape, inv_freq=inv_freq)
+
+
 @triton_op("kvq::triton_decode_attention", mutates_args=())
 def triton_decode_attention(
     q: torch.Tensor,
@@ -69,31 +84,64 @@ def triton_decode_attention(
     named = dict(locals())
     _check_attention(named, decode=True)
     b, hq, _, d = q.shape
-    hkv, t = k_codes.shape[1], k_codes.shape[2]
-    n, dv, s = hq // hkv, side_v.shape[-1], side_pos.shape[0]
+    hkv, t, dv, s = k_codes.shape[1], k_codes.shape[2], side_v.shape[-1], side_pos.shape[0]
     q = q.contiguous()
-    k_tensors, k_fmt = _format(named, "k", q)
-    v_tensors, v_fmt = _format(named, "v", q)
+    operands, common = _common(dict(named, q=q))
+    shape = common["shape"]
+    np_ = triton.next_power_of_2(shape["N"])
     mask_u8 = mask.contiguous().view(torch.uint8)
-    inv_freq = q if rope_inv_freq is None else rope_inv_freq.float().contiguous()
-    np_, dh, bdv = triton.next_power_of_2(n), triton.next_power_of_2(d // 2), triton.next_power_of_2(dv)
     splits = _splits(q, b * hkv, t)
     part_m = q.new_empty((b * hkv, splits, np_), dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    part_acc = q.new_empty((b * hkv, splits, np_, bdv), dtype=torch.float32)
+    part_acc = q.new_empty((b * hkv, splits, np_, shape["BDV"]), dtype=torch.float32)
     out = q.new_empty((b, hq, 1, dv))
-    shape = dict(N=n, NP=np_, D=d, HALF=d // 2, DH=dh, DV=dv, BDV=bdv, MASK_HEADS=mask.shape[1],
-                 PRE_ROPE=rope_inv_freq is not None, SOFTCAP=softcap > 0)  # fmt: skip
     _launcher("_decode_split", q)[(b * hkv, splits)](
-        q, *k_tensors, *v_tensors, mask_u8, inv_freq, body_end, part_m, part_l, part_acc,
-        body_start, t, hkv, hq, splits, scaling, rope_scale, softcap, **shape, **k_fmt, **v_fmt, BLOCK_T=BLOCK_T,
+        q, *operands, mask_u8, common["inv_freq"], body_end, part_m, part_l, part_acc,
+        body_start, t, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_, MASK_HEADS=mask.shape[1], **shape,
+        BLOCK_T=BLOCK_T,
     )  # fmt: skip
+    merge_shape = {k: v for k, v in shape.items() if not k.startswith(("K_", "V_"))}
     _launcher("_decode_merge", q)[(b * hkv,)](
-        q, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_u8, inv_freq, body_end,
-        part_m, part_l, part_acc, out, body_start, t, s, hkv, hq, splits, scaling, rope_scale, softcap, **shape,
-        BLOCK_S=BLOCK_S,
+        q, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_u8, common["inv_freq"], body_end,
+        part_m, part_l, part_acc, out, body_start, t, s, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_,
+        MASK_HEADS=mask.shape[1], **merge_shape, BLOCK_S=BLOCK_S,
     )  # fmt: skip
     return out
 
 
-__all__ = ["triton_decode_attention"]
+@triton_op("kvq::triton_chunk_attention", mutates_args=())
+def triton_chunk_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor, k_scale: torch.Tensor | None, k_zero: torch.Tensor | None, k_codebook: torch.Tensor | None,
+    k_out_val: torch.Tensor | None, k_out_idx: torch.Tensor | None,
+    v_codes: torch.Tensor, v_scale: torch.Tensor | None, v_zero: torch.Tensor | None, v_codebook: torch.Tensor | None,
+    v_out_val: torch.Tensor | None, v_out_idx: torch.Tensor | None,
+    side_k: torch.Tensor, side_v: torch.Tensor, side_pos: torch.Tensor, body_end: torch.Tensor, mask: torch.Tensor,
+    rope_inv_freq: torch.Tensor | None, body_start: int, scaling: float, rope_scale: float,
+    k_bits: int, k_axis: int, k_group: int, v_bits: int, v_axis: int, v_group: int, softcap: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """`kvq::chunk_attention` (same arguments, same result) in Triton: queries q [B, Hq, Tq, D] (a
+    prefill chunk, speculative or batched steps) over one layer's packed cache -> [B, Hq, Tq, Dv],
+    in tiles of CHUNK_BLOCK_Q queries x all query heads of a kv head, streaming the body block by
+    block (no float cache, no [Tq, T] scores)."""
+    named = dict(locals())
+    _check_attention(named, decode=False)
+    b, hq, tq, d = q.shape
+    hkv, t, dv, s = k_codes.shape[1], k_codes.shape[2], side_v.shape[-1], side_pos.shape[0]
+    q = q.contiguous()
+    operands, common = _common(dict(named, q=q))
+    bounds = mask.dtype == torch.int64
+    mask_arg = mask.contiguous() if bounds else mask.contiguous().view(torch.uint8)
+    rows = triton.next_power_of_2(common["shape"]["N"] * CHUNK_BLOCK_Q)
+    out = q.new_empty((b, hq, tq, dv))
+    _launcher("_chunk_attention", q)[(b * hkv, triton.cdiv(tq, CHUNK_BLOCK_Q))](
+        q, *operands, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_arg, common["inv_freq"],
+        body_end.contiguous(), out, body_start, t, s, tq, hkv, hq, scaling, rope_scale, softcap, BOUNDS=int(bounds),
+        MASK_HEADS=1 if bounds else mask.shape[1], PER_QUERY_END=body_end.dim() == 1, **common["shape"],
+        BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["triton_chunk_attention", "triton_decode_attention"]

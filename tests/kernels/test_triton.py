@@ -18,11 +18,13 @@ from hypothesis import strategies as st
 pytest.importorskip("triton", reason="the GPU kernels' tests need triton (installed with the test extra)")
 
 from kvq_ao import KVQuantConfig, make_cache, quantize_kv_  # noqa: E402
+from kvq_ao import masks  # noqa: E402
 from kvq_ao.kernels import gpu, reference  # noqa: E402
 from kvq_ao.ops import ATTENTION_SCHEMA, reference_arguments  # noqa: E402
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN  # noqa: E402
 
-from attention_cases import FORMATS, TOLERANCE, native_case, positional, reference_attention  # noqa: E402
+from attention_cases import FORMATS, STREAM_FORMATS, TOLERANCE, expected_streaming, native_case, positional, reference_attention  # noqa: E402
+from attention_cases import streaming_case  # noqa: E402
 from conftest import kvquant_config, tiny_llama  # noqa: E402
 
 gpu.load()
@@ -42,13 +44,14 @@ def check(named):
     return out
 
 
-def test_the_triton_op_takes_exactly_the_decode_attention_arguments():
-    """The schema torch infers from the Python signature is the one ATTENTION_SCHEMA defines, so the
-    two ops are interchangeable per device."""
+@pytest.mark.parametrize("name", ["triton_decode_attention", "triton_chunk_attention"])
+def test_the_triton_ops_take_exactly_the_attention_ops_arguments(name):
+    """The schema torch infers from the Python signature is the one ATTENTION_SCHEMA defines, so each
+    Triton op and its kvq op are interchangeable per device."""
     def arguments(schema):  # name, type (an inferred int is a SymInt), default
         return [(a.name, re.sub(r"\bSymInt\b", "int", str(a.type)), a.default_value) for a in schema.arguments]
 
-    inferred = torch.ops.kvq.triton_decode_attention.default._schema
+    inferred = getattr(torch.ops.kvq, name).default._schema
     assert arguments(inferred) == arguments(torch._C.parse_schema("kvq::decode_attention" + ATTENTION_SCHEMA))
     assert [str(r.type) for r in inferred.returns] == ["Tensor"]
 
@@ -109,6 +112,56 @@ def test_opcheck_triton_decode_attention():
     """Registration and fake kernel (the schema, fake tensors, no mutation of inputs)."""
     named = native_case(3, k_fmt=(3, AXIS_CHANNEL, 16, True, 1), pre_rope=True, blocks=2)
     torch.library.opcheck(torch.ops.kvq.triton_decode_attention.default, positional(named),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- chunk (multi-token) attention
+def check_chunk(named, dense=False, tol=2e-5):
+    """The Triton chunk op on a streaming case (bounds mask; dense: the same mask as bool) against
+    the case's float64 reference."""
+    want = expected_streaming(named)
+    if dense:
+        named = dict(named, mask=masks.dense(named["mask"], named["k_codes"].shape[2]))
+    out = torch.ops.kvq.triton_chunk_attention(**named)
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), tq=st.sampled_from([2, 5, 16, 33]), k_fmt=st.sampled_from(STREAM_FORMATS),
+       v_fmt=st.sampled_from([f for f in STREAM_FORMATS if f[0] == 0 or f[1] == AXIS_TOKEN or f[3] == 0]),
+       window=st.sampled_from([None, 1, 9, 30]), pad=st.sampled_from([(0, 0), (0, 3), (20, 0)]),
+       pre_rope=st.booleans(), softcap=st.sampled_from([0.0, 5.0]), gqa=st.sampled_from([(2, 2), (6, 2), (8, 1)]),
+       per_query=st.booleans(), dense=st.booleans())  # fmt: skip
+def test_triton_chunk_attention_matches_the_float64_reference(seed, tq, k_fmt, v_fmt, window, pad, pre_rope, softcap,
+                                                              gqa, per_query, dense):  # fmt: skip
+    """Causal, sliding-window and left-padded masks as bounds or dense, per-query body ends (a prefill
+    chunk reading the cache as decoding would), every format, GQA."""
+    named = streaming_case(seed, tq, k_fmt, v_fmt, hq=gqa[0], hkv=gqa[1], window=window, pad=pad, pre_rope=pre_rope,
+                           softcap=softcap, per_query=per_query)  # fmt: skip
+    check_chunk(named, dense)
+
+
+def test_a_chunk_over_many_blocks_with_a_per_head_mask_and_half_precision():
+    """Several body blocks and query tiles; a dense mask that differs per query head; bf16 queries
+    and side store (the model's dtype)."""
+    named = streaming_case(3, 40, STREAM_FORMATS[2], STREAM_FORMATS[3], length=300, pre_rope=True, per_query=True)
+    dense = masks.dense(named["mask"], named["k_codes"].shape[2]).expand(-1, 6, -1, -1).clone()
+    dense[:, 1::2, :, 5:40] = False
+    named = dict(named, mask=dense)
+    full = torch.ops.kvq.triton_chunk_attention(**named)
+    torch.testing.assert_close(full.double(), reference_attention(named), rtol=2e-5, atol=2e-5)
+    half = {k: (v.to(torch.bfloat16) if k in ("q", "side_k", "side_v") else v) for k, v in named.items()}
+    want = reference_attention({k: (v.float() if k in ("q", "side_k", "side_v") else v) for k, v in half.items()})
+    got = torch.ops.kvq.triton_chunk_attention(**half)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(full[:, 0], full[:, 1])
+
+
+def test_opcheck_triton_chunk_attention():
+    named = streaming_case(2, 8, STREAM_FORMATS[2], STREAM_FORMATS[3], window=10, pre_rope=True)
+    torch.library.opcheck(torch.ops.kvq.triton_chunk_attention.default, (), named,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
 
