@@ -8,7 +8,9 @@ Sections, each printing its rows as it goes (all rows in --out, with the device,
 
 1. check: `kvq.triton_decode_attention` against the reference kernel (kernels/reference.py) on the
    same device, per preset format, batch 2, a length that ends mid-block, a sink and a window in the
-   side store; the largest difference must be within float tolerance, else the run stops.
+   side store; the largest difference must be within float tolerance, else the run stops. Then
+   `kvq.triton_quantize` on a block of the preset's keys and values: byte-identical to the
+   reference quantize, else the run stops.
 2. attention: one layer of SmolLM2's shape (9 query heads, 3 kv heads, head_dim 64), batch 1, at each
    --lengths: the Triton op against `scaled_dot_product_attention` on the bf16 cache (flash or
    memory-efficient backend), median of CUDA-event timings; the bytes each reads (packed codes,
@@ -178,6 +180,35 @@ def check(args, device, dtype, emit) -> None:
         emit(dict(section="check", format=preset, tokens=args.check_length, dtype=str(dtype), max_abs_diff=diff, ok=ok))
         if not ok:
             raise SystemExit(f"the Triton kernel differs from the reference for {preset}: {diff:.3g}")
+        differing = quantize_differences(preset, device)
+        emit(dict(section="check-quantize", format=preset, differing_fields=",".join(differing), ok=not differing))
+        if differing:
+            raise SystemExit(f"the Triton quantize differs from the reference for {preset} in {differing}")
+
+
+def quantize_differences(preset: str, device) -> list[str]:
+    """The fields of `kvq.triton_quantize` that are not byte-identical to the reference quantize,
+    for a block of a preset's keys and values (float32 input, so no two entries tie)."""
+    from kvq_ao import KVQuantConfig
+    from kvq_ao.kernels import reference
+    from kvq_ao.quant.codebook import nf_codebook
+    from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+
+    cfg = KVQuantConfig.preset(preset)
+    differing = []
+    g = torch.Generator(device="cpu").manual_seed(2)
+    for name, spec in (("key", cfg.default.key), ("value", cfg.default.value)):
+        x = (torch.randn(2, HKV, 256, D, generator=g) * 2).to(device)
+        axis = AXIS_CHANNEL if spec.axis == "channel" else AXIS_TOKEN
+        slots = spec.outlier_slots(D)
+        vector = slots and (axis == AXIS_TOKEN and spec.outlier_rule == "vector")
+        lo, hi = (x.new_zeros(0), x.new_zeros(0)) if not slots or vector else (-1.5 * x.new_ones(HKV, D), 1.5 * x.new_ones(HKV, D))
+        codebook = nf_codebook(spec.bits).to(device) if spec.dtype != "int" else x.new_zeros(0)
+        args = (x, spec.bits, axis, spec.group_size, getattr(torch, cfg.scale_dtype), codebook, lo, hi, slots)
+        got, want = torch.ops.kvq.triton_quantize(*args), reference.quantize(*args)
+        fields = ("codes", "scale", "zero", "out_val", "out_idx", "clamped")
+        differing += [f"{name}.{f}" for f, a, b in zip(fields, got, want) if not torch.equal(a, b)]
+    return differing
 
 
 def attention(args, device, dtype, gbs: float, nominal: float | None, emit) -> None:

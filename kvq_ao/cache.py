@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.rope import unrotate
@@ -120,7 +121,8 @@ class _BodyStore:
         if not self.spec.is_quantized:
             return x.to(self.codes.dtype), None, None, None, None, None
         bits, axis, group = _op_format(self.spec)
-        return torch.ops.kvq.quantize(x, bits, axis, group, self.scale_dtype, self.codebook, self.lo, self.hi, self.n_outliers)
+        op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)
+        return op(x, bits, axis, group, self.scale_dtype, self.codebook, self.lo, self.hi, self.n_outliers)
 
     def write(self, start: int, x: torch.Tensor) -> None:
         """Quantize x [B, H, n, D] into positions [start, start + n) (block-aligned)."""

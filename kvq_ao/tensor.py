@@ -131,8 +131,8 @@ def _copy(func, types, args, kwargs):
         dst.codes.copy_(src)
     else:
         empty = src.new_zeros(0)
-        codes, scale, zero, *_ = torch.ops.kvq.quantize(src, dst.bits, dst.axis, dst.group, dst.scale.dtype,
-                                                        dst.codebook, empty, empty, 0)  # fmt: skip
+        op = gpu_kernels.quantize_op(src, dst.axis, dst.group, dst.scale.dtype)
+        codes, scale, zero, *_ = op(src, dst.bits, dst.axis, dst.group, dst.scale.dtype, dst.codebook, empty, empty, 0)
         dst.codes.copy_(codes)
         dst.scale.copy_(scale)
         dst.zero.copy_(zero)

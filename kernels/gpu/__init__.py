@@ -15,8 +15,9 @@ Triton is an optional dependency (`pip install kvq_ao[gpu]`); without it CUDA ru
 
 The kernels are also run on CPU tensors, in Triton's interpreter: that is how they are tested on
 machines without a GPU (`on_cpu()` routes CPU calls to them; slow, for tests and dry runs only).
-Quantize/append has no Triton kernel yet: on CUDA it runs the reference op (inductor fuses it
-under torch.compile).
+`triton_quantize.py` is the append path: `kvq::triton_quantize`, bit-identical to `kvq::quantize`
+(outliers, group ranges, codes and packing in one pass), for power-of-two head_dim and group
+sizes (other shapes run the reference op).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import importlib.util
 
 import torch
 
-_STATE = {"loaded": False, "cpu": False}
+_STATE: dict = {"loaded": False, "cpu": False, "quantize_supported": None}
 
 
 def available() -> bool:
@@ -37,15 +38,23 @@ def available() -> bool:
 def load() -> bool:
     """Register the Triton ops (imports triton); False when triton is not installed."""
     if not _STATE["loaded"] and available():
-        from kvq_ao.kernels.gpu import triton_ops  # noqa: F401  (registers the kvq::triton_* ops)
+        from kvq_ao.kernels.gpu import triton_ops  # registers the kvq::triton_* ops
 
-        _STATE["loaded"] = True
+        _STATE.update(loaded=True, quantize_supported=triton_ops.quantize_supported)
     return _STATE["loaded"]
 
 
 def serves(device: torch.device) -> bool:
     """Whether the Triton attention ops serve tensors on `device`."""
     return _STATE["loaded"] and (device.type == "cuda" or (device.type == "cpu" and _STATE["cpu"]))
+
+
+def quantize_op(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype):
+    """The op that quantizes x into the cache: `kvq.triton_quantize` where the Triton kernels serve x's
+    device and the format (power-of-two head_dim and group), else `kvq.quantize`."""
+    if serves(x.device) and _STATE["quantize_supported"](x, axis, group, scale_dtype):
+        return torch.ops.kvq.triton_quantize
+    return torch.ops.kvq.quantize
 
 
 @contextlib.contextmanager
@@ -62,4 +71,4 @@ def on_cpu():
         _STATE["cpu"] = before
 
 
-__all__ = ["available", "load", "on_cpu", "serves"]
+__all__ = ["available", "load", "on_cpu", "quantize_op", "serves"]

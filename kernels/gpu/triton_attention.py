@@ -18,13 +18,11 @@ written. Two kernels, as flash-decoding does it:
 Keys are handled as two halves of head_dim, [0, D/2) and [D/2, D): RoPE rotates channel i with
 channel i + D/2 (transformers' `rotate_half`), so with halves the rotation is elementwise.
 
-The same kernel sources run on CPU tensors in Triton's interpreter (`interpreted`), which is how
-they are tested on machines without a GPU.
+The same kernel sources run on CPU tensors in Triton's interpreter (`triton_ops.interpreted`), which
+is how they are tested on machines without a GPU.
 """
 
 from __future__ import annotations
-
-import types
 
 import triton
 import triton.language as tl
@@ -363,32 +361,4 @@ def _chunk_attention(
     tl.store(o_at, result.to(out.dtype.element_ty), mask=ok_r[:, None] & ok_dv[None, :])
 
 
-KERNELS = ("_decode_split", "_decode_merge", "_chunk_attention")
-
-
-def _interpreted_module() -> dict:
-    """The module's jit functions as Triton-interpreter functions, in a copy of its globals (so a
-    kernel's calls to helpers resolve to their interpreted versions, while the JIT versions in this
-    module stay what torch.compile traces and GPUs compile)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    space = dict(globals())
-    for name, value in list(space.items()):
-        if isinstance(value, triton.runtime.jit.JITFunction):
-            fn = value.fn
-            clone = types.FunctionType(fn.__code__, space, fn.__name__, fn.__defaults__, fn.__closure__)
-            space[name] = InterpretedFunction(clone)
-    return space
-
-
-_INTERPRETED: dict = {}
-
-
-def interpreted(name: str):
-    """Kernel `name` in Triton's interpreter (runs on CPU tensors)."""
-    if not _INTERPRETED:
-        _INTERPRETED.update(_interpreted_module())
-    return _INTERPRETED[name]
-
-
-__all__ = ["KERNELS", "interpreted"]
+__all__ = ["_chunk_attention", "_decode_merge", "_decode_split"]

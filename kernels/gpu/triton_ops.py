@@ -10,12 +10,16 @@ tensors runs the same kernels in Triton's interpreter.
 
 from __future__ import annotations
 
+import types
+from types import ModuleType
+
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from kvq_ao.kernels.gpu import triton_attention as kernels
-from kvq_ao.ops import _check_attention
+from kvq_ao.kernels.gpu import triton_attention
+from kvq_ao.kernels.gpu import triton_quantize as triton_quantize_kernels
+from kvq_ao.ops import _check_attention, _check_quantize, _meta_shapes
 
 BLOCK_T = 64  # body tokens per step of a split program
 BLOCK_S = 32  # side entries per step of the merge program
@@ -24,13 +28,35 @@ SPLITS_PER_SM = 4  # split programs per streaming multiprocessor (flash-decoding
 INTERPRETER_SPLITS = 3  # on CPU: enough splits that the merge is exercised, few enough to be quick
 
 
-def _launcher(name: str, like: torch.Tensor):
+_INTERPRETED: dict[str, dict] = {}
+
+
+def interpreted(module: ModuleType, name: str):
+    """Kernel `name` of `module` in Triton's interpreter (runs on CPU tensors).
+
+    Built from a copy of the module's globals in which every jit function (its own and the helpers
+    it imported) is an interpreted function, so kernels call interpreted helpers, while the module's
+    JIT functions stay what torch.compile traces and GPUs compile. (Triton decides between the two
+    at decoration time from TRITON_INTERPRET, and torch traces only JIT functions.)"""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if module.__name__ not in _INTERPRETED:
+        space = dict(vars(module))
+        for key, value in list(space.items()):
+            if isinstance(value, triton.runtime.jit.JITFunction):
+                fn = value.fn
+                space[key] = InterpretedFunction(types.FunctionType(fn.__code__, space, fn.__name__, fn.__defaults__, fn.__closure__))
+        _INTERPRETED[module.__name__] = space
+    return _INTERPRETED[module.__name__][name]
+
+
+def _launcher(module: ModuleType, name: str, like: torch.Tensor):
     """Kernel `name` as torch.compile sees it (traced, CUDA) or, for real CPU tensors, interpreted."""
     from torch._subclasses.fake_tensor import is_fake
 
     if like.device.type == "cpu" and not is_fake(like):
-        return kernels.interpreted(name)
-    return wrap_triton(getattr(kernels, name))
+        return interpreted(module, name)
+    return wrap_triton(getattr(module, name))
 
 
 def _splits(q: torch.Tensor, rows: int, capacity: int) -> int:
@@ -95,13 +121,13 @@ def triton_decode_attention(
     part_l = torch.empty_like(part_m)
     part_acc = q.new_empty((b * hkv, splits, np_, shape["BDV"]), dtype=torch.float32)
     out = q.new_empty((b, hq, 1, dv))
-    _launcher("_decode_split", q)[(b * hkv, splits)](
+    _launcher(triton_attention, "_decode_split", q)[(b * hkv, splits)](
         q, *operands, mask_u8, common["inv_freq"], body_end, part_m, part_l, part_acc,
         body_start, t, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_, MASK_HEADS=mask.shape[1], **shape,
         BLOCK_T=BLOCK_T,
     )  # fmt: skip
     merge_shape = {k: v for k, v in shape.items() if not k.startswith(("K_", "V_"))}
-    _launcher("_decode_merge", q)[(b * hkv,)](
+    _launcher(triton_attention, "_decode_merge", q)[(b * hkv,)](
         q, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_u8, common["inv_freq"], body_end,
         part_m, part_l, part_acc, out, body_start, t, s, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_,
         MASK_HEADS=mask.shape[1], **merge_shape, BLOCK_S=BLOCK_S,
@@ -134,7 +160,7 @@ def triton_chunk_attention(
     mask_arg = mask.contiguous() if bounds else mask.contiguous().view(torch.uint8)
     rows = triton.next_power_of_2(common["shape"]["N"] * CHUNK_BLOCK_Q)
     out = q.new_empty((b, hq, tq, dv))
-    _launcher("_chunk_attention", q)[(b * hkv, triton.cdiv(tq, CHUNK_BLOCK_Q))](
+    _launcher(triton_attention, "_chunk_attention", q)[(b * hkv, triton.cdiv(tq, CHUNK_BLOCK_Q))](
         q, *operands, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_arg, common["inv_freq"],
         body_end.contiguous(), out, body_start, t, s, tq, hkv, hq, scaling, rope_scale, softcap, BOUNDS=int(bounds),
         MASK_HEADS=1 if bounds else mask.shape[1], PER_QUERY_END=body_end.dim() == 1, **common["shape"],
@@ -144,4 +170,50 @@ def triton_chunk_attention(
     return out
 
 
-__all__ = ["triton_chunk_attention", "triton_decode_attention"]
+QUANTIZE_ROWS = 16  # vectors per per-token quantize program
+_SCALE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def quantize_supported(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype) -> bool:
+    """Whether the Triton quantize serves this format (its tiles need power-of-two head_dim and group)."""
+    d = x.shape[-1]
+    return d == triton.next_power_of_2(d) and group == triton.next_power_of_2(group) and scale_dtype in _SCALE_CODES
+
+
+@triton_op("kvq::triton_quantize", mutates_args=())
+def triton_quantize(
+    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype,
+    codebook: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_outliers: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`kvq::quantize` (same arguments, bit-identical results) in Triton: x [B, H, T, D] float ->
+    (codes, scale, zero, outlier values, outlier indices, clamped count)."""
+    _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
+    if not quantize_supported(x, axis, group, scale_dtype):
+        raise ValueError(f"kvq.triton_quantize needs a power-of-two head_dim and group and a float16/bfloat16/float32 "
+                         f"scale dtype; got head_dim {x.shape[-1]}, group {group}, {scale_dtype} (use kvq.quantize)")  # fmt: skip
+    b, h, t, d = x.shape
+    x = x.contiguous()
+    code_shape, meta_shape = _meta_shapes(x.shape, bits, axis, group)
+    codes = x.new_empty(code_shape, dtype=torch.uint8)
+    scale = x.new_empty(meta_shape, dtype=scale_dtype)
+    zero = x.new_empty(meta_shape, dtype=scale_dtype)
+    out_val = x.new_empty([b, h, t, n_outliers])
+    out_idx = x.new_empty([b, h, t, n_outliers], dtype=torch.uint8)
+    rows = b * h * t
+    tile = group if axis == 1 else QUANTIZE_ROWS
+    programs = triton.cdiv(rows, tile)
+    partial = x.new_zeros([programs], dtype=torch.int64)  # outliers clamped, per program
+    finfo = torch.finfo(scale_dtype)
+    vector = n_outliers > 0 and lo.numel() == 0
+    mids = (codebook[1:] + codebook[:-1]).float() * 0.5 if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
+    thresholds = (lo.float().contiguous(), hi.float().contiguous()) if n_outliers and not vector else (x, x)
+    _launcher(triton_quantize_kernels, "_quantize", x)[(programs,)](
+        x, *thresholds, mids, codes, scale, zero, out_val, out_idx, partial,
+        rows, t, h, 1.0 if codebook.numel() else float(2**bits - 1), finfo.max, finfo.eps, finfo.smallest_normal * finfo.eps,
+        D=d, BITS=bits, AXIS=axis, GROUP=group, CODEBOOK=codebook.numel() > 0, K=n_outliers, VECTOR_OUTLIERS=vector,
+        SCALE=_SCALE_CODES[scale_dtype], ROWS=tile,
+    )  # fmt: skip
+    return codes, scale, zero, out_val, out_idx, partial.sum()
+
+
+__all__ = ["interpreted", "quantize_supported", "triton_chunk_attention", "triton_decode_attention", "triton_quantize"]

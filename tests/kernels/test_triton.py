@@ -165,6 +165,100 @@ def test_opcheck_triton_chunk_attention():
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
 
+# --------------------------------------------------------------------------- quantize (the append path)
+QUANTIZE_FIELDS = ("codes", "scale", "zero", "out_val", "out_idx", "clamped")
+
+
+def quantize_case(seed, bits, axis, group, codebook, outliers, dtype=torch.float32, t=48):
+    from kvq_ao.quant.codebook import nf_codebook
+
+    x = (torch.randn(2, 3, t, 64, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+    lo = hi = torch.zeros(0)
+    if outliers == "channel":
+        lo, hi = -1.5 * torch.ones(3, 64), 1.5 * torch.ones(3, 64)
+    k = {"none": 0, "channel": 2, "vector": 2}[outliers]
+    return x, bits, axis, group, nf_codebook(bits) if codebook else torch.zeros(0), lo, hi, k
+
+
+QUANTIZE_FORMATS = [  # every format the cache quantizes: codebooks have 2-4 bits, per-vector outliers per-token groups
+    (bits, axis, group, codebook, outliers)
+    for bits in (2, 3, 4, 8)
+    for axis, group in ((AXIS_TOKEN, 32), (AXIS_TOKEN, 16), (AXIS_CHANNEL, 16))
+    for codebook in ((False, True) if bits <= 4 else (False,))
+    for outliers in (("none", "channel", "vector") if axis == AXIS_TOKEN else ("none", "channel"))
+]
+
+
+@pytest.mark.parametrize("bits,axis,group,codebook,outliers", QUANTIZE_FORMATS)
+def test_triton_quantize_is_bit_identical_to_the_reference(bits, axis, group, codebook, outliers):
+    """Codes, scales, zeros, outlier slots and the clamped count, byte for byte, with float16,
+    bfloat16 and float32 scales (float32 input: no ties between entries, see the half-precision
+    test for those)."""
+    x, *rest = quantize_case(bits, bits, axis, group, codebook, outliers, t=48 if axis == AXIS_CHANNEL else 37)
+    for scale_dtype in (torch.float16, torch.bfloat16, torch.float32):
+        got = torch.ops.kvq.triton_quantize(x, *rest[:3], scale_dtype, *rest[3:])
+        want = reference.quantize(x, *rest[:3], scale_dtype, *rest[3:])
+        for name, a, b in zip(QUANTIZE_FIELDS, got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs ({scale_dtype})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("outliers", ["channel", "vector"])
+def test_triton_quantize_of_half_precision_input_differs_only_in_how_ties_are_broken(dtype, outliers):
+    """Half-precision vectors often hold equal entries; when two tie for an outlier slot, torch.topk
+    and the kernel may keep different ones (torch's order among ties is unspecified). Every vector
+    without such a tie is byte-identical; vectors with one keep equally extreme entries."""
+    x, *rest = quantize_case(7, 4, AXIS_TOKEN, 32, False, outliers, dtype=dtype, t=64)
+    got = torch.ops.kvq.triton_quantize(x, *rest[:3], torch.float16, *rest[3:])
+    want = reference.quantize(x, *rest[:3], torch.float16, *rest[3:])
+    same = (got[4] == want[4]).all(-1)  # vectors whose outlier slots agree
+    assert same.float().mean() > 0.9
+    for a, b in zip(got[:5], want[:5]):
+        assert torch.equal(a[same], b[same])
+    xf = x.float()
+    score = (xf - xf.mean(-1, keepdim=True)).abs() if outliers == "vector" else (xf.abs() - 1.5).clamp(min=0)
+    picked = lambda idx: score.gather(-1, idx.long().clamp(max=63)).sort(-1).values  # noqa: E731
+    torch.testing.assert_close(picked(got[4])[~same], picked(want[4])[~same], rtol=1e-3, atol=1e-3)
+
+
+def test_opcheck_triton_quantize():
+    x, *rest = quantize_case(1, 3, AXIS_CHANNEL, 16, True, "channel")
+    torch.library.opcheck(torch.ops.kvq.triton_quantize.default, (x, *rest[:3], torch.float16, *rest[3:]),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+def test_triton_quantize_refuses_shapes_its_tiles_cannot_take():
+    x = torch.randn(1, 1, 4, 48)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        torch.ops.kvq.triton_quantize(x, 4, AXIS_TOKEN, 16, torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)
+    with gpu.on_cpu():  # the cache then uses the reference op for that shape
+        assert gpu.quantize_op(x, AXIS_TOKEN, 16, torch.float16) is torch.ops.kvq.quantize
+        assert gpu.quantize_op(torch.randn(1, 1, 4, 64), AXIS_TOKEN, 16, torch.float16) is torch.ops.kvq.triton_quantize
+
+
+def test_generation_through_the_triton_kernels_equals_the_native_path():
+    """quantize_kv_ and generate() unchanged, the Triton kernels serving every cache op (prefill
+    chunks, appends, decode steps) in the interpreter: the same tokens as the CPU kernels."""
+    model = tiny_llama(seed=5)
+    cfg = kvquant_config(bits=3, outliers=0.02, model=model)
+    quantize_kv_(model, cfg)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+
+    def run():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, prefill_chunk_size=8,
+                                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+
+    native = run()
+    with gpu.on_cpu():
+        triton = run()
+    assert torch.equal(native.sequences, triton.sequences)
+    for a, b in zip(native.scores, triton.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_cpu_is_served_by_the_triton_kernels_only_when_asked():
     cpu = torch.device("cpu")
     assert not gpu.serves(cpu)
@@ -220,6 +314,7 @@ def test_the_gpu_benchmark_dry_run_checks_and_times_every_section(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     presets = {"kivi-4", "kivi-2", "kvquant-3-1pct", "kvquant-2-1pct"}
     assert {r["format"] for r in rows if r["section"] == "check" and r["ok"]} == presets
+    assert {r["format"] for r in rows if r["section"] == "check-quantize" and r["ok"]} == presets
     assert {r["format"] for r in rows if r["section"] == "attention"} == presets | {"sdpa-bf16"}
     assert {r["format"] for r in rows if r["section"] == "step"} == {"fp", "kivi-4", "kivi-2"}
     assert all(r["ms"] > 0 for r in rows if "ms" in r)
