@@ -81,7 +81,7 @@ class _BodyStore:
             if tuple(calib.lo.shape) != (h, head_dim) or tuple(calib.hi.shape) != (h, head_dim):
                 raise ValueError(f"outlier thresholds must be [{h}, {head_dim}], got {list(calib.lo.shape)}")
             self.lo, self.hi = calib.lo.float().to(device), calib.hi.float().to(device)
-        self.out_val = torch.zeros(b, h, capacity, self.n_outliers, dtype=dtype, device=device)
+        self.out_val = torch.zeros(b, h, capacity, self.n_outliers, dtype=spec.outlier_values_dtype(dtype), device=device)
         self.out_idx = torch.zeros(b, h, capacity, self.n_outliers, dtype=torch.uint8, device=device)
         self.clamped = 0  # outlier entries clamped because their vector's slots were full (eager writes)
         if spec.is_quantized:
@@ -122,7 +122,9 @@ class _BodyStore:
             return x.to(self.codes.dtype), None, None, None, None, None
         bits, axis, group = _op_format(self.spec)
         op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)
-        return op(x, bits, axis, group, self.scale_dtype, self.codebook, self.lo, self.hi, self.n_outliers)
+        codes, scale, zero, out_val, out_idx, clamped = op(x, bits, axis, group, self.scale_dtype, self.codebook, self.lo,
+                                                           self.hi, self.n_outliers)  # fmt: skip
+        return codes, scale, zero, out_val.to(self.out_val.dtype), out_idx, clamped
 
     def write(self, start: int, x: torch.Tensor) -> None:
         """Quantize x [B, H, n, D] into positions [start, start + n) (block-aligned)."""

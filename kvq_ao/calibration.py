@@ -24,6 +24,7 @@ import datetime
 import hashlib
 import json
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvq_ao.cache import TensorCalibration
-from kvq_ao.config import KVQuantConfig, QuantSpec
+from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.models import cache_dir, pydoc_text, text_windows
 from kvq_ao.quant.rope import rotate
@@ -77,12 +78,17 @@ class Calibration:
 
     def made_for(self, config: KVQuantConfig, num_layers: int) -> bool:
         """Whether this calibration fits `config`: the same layer specs, key placement and sink (what
-        the fit depends on; the full-precision window does not change what gets quantized how)."""
+        the fit depends on; neither the full-precision window nor the dtype outlier values are
+        stored in changes what gets quantized how)."""
         made_for = KVQuantConfig.from_dict(self.meta["config"])
+
+        def fitted(cfg: KVQuantConfig) -> tuple:
+            specs = [LayerKV(*(dataclasses.replace(s, outlier_dtype="model") for s in (kv.key, kv.value)))
+                     for kv in cfg.resolve(num_layers)]  # fmt: skip
+            return specs, cfg.pre_rope_keys, cfg.sink_tokens
+
         try:
-            return (made_for.resolve(num_layers), made_for.pre_rope_keys, made_for.sink_tokens) == (
-                config.resolve(num_layers), config.pre_rope_keys, config.sink_tokens,
-            )  # fmt: skip
+            return fitted(made_for) == fitted(config)
         except ValueError:  # a per-layer config for another layer count
             return False
 

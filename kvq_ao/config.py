@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvq_ao._torchao import AOBaseConfig
 from kvq_ao.quant.outliers import outlier_slots
 from kvq_ao.quant.packing import SUPPORTED_BITS
@@ -28,6 +30,7 @@ DATATYPES = ("int", "nf", "nuq")
 # How outliers are judged: "channel" by calibrated per-channel thresholds (KVQuant's keys),
 # "vector" online, each vector's entries furthest from its mean (KVQuant's values).
 OUTLIER_RULES = ("channel", "vector")
+OUTLIER_DTYPES = ("model", "float16", "bfloat16")  # what an exact outlier value is stored in
 CODEBOOK_BITS = (2, 3, 4)
 CONFIG_VERSION = 1
 
@@ -51,6 +54,9 @@ class QuantSpec:
           gives room for the fraction itself, ceil(outliers * head_dim). Outliers cluster: with
           one slot per 64-entry key vector, 0.4% of SmolLM2's key entries still fall outside their
           channel range with no slot left and are clamped, so a preset may give them more room.
+    outlier_dtype: what the kept outlier values are stored in: "model" (the model's dtype, exact),
+          or "float16" / "bfloat16" (16 bits a value: in a float32 model a slot costs 24 bits with
+          its uint8 channel index instead of 40, and the value is rounded to that precision).
     """
 
     bits: int | None = None
@@ -60,6 +66,7 @@ class QuantSpec:
     outliers: float = 0.0
     outlier_rule: str = "channel"
     max_outliers: int | None = None
+    outlier_dtype: str = "model"
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -85,6 +92,8 @@ class QuantSpec:
                 raise ValueError(f"max_outliers must be a positive int or None, got {self.max_outliers!r}")
             if not self.outliers:
                 raise ValueError("max_outliers needs outliers > 0 (it sizes the room for them)")
+        if self.outlier_dtype not in OUTLIER_DTYPES:
+            raise ValueError(f"outlier_dtype must be one of {OUTLIER_DTYPES}, got {self.outlier_dtype!r}")
 
     @property
     def needs_calibration(self) -> bool:
@@ -110,6 +119,10 @@ class QuantSpec:
         room = outlier_slots(self.outliers, head_dim)  # also checks head_dim fits the uint8 indices
         return room if self.max_outliers is None else self.max_outliers
 
+    def outlier_values_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype outlier values are stored in for a model of `model_dtype`."""
+        return model_dtype if self.outlier_dtype == "model" else getattr(torch, self.outlier_dtype)
+
     def check_head_dim(self, head_dim: int) -> None:
         if not self.is_quantized:
             return
@@ -128,6 +141,7 @@ class QuantSpec:
         kind = {"int": "int", "nf": "nf", "nuq": "nuq"}[self.dtype]
         out = f"+{self.outliers:.0%}" + ("v" if self.outlier_rule == "vector" else "") if self.outliers else ""
         out += f"x{self.max_outliers}" if self.max_outliers is not None else ""
+        out += {"model": "", "float16": "/f16", "bfloat16": "/bf16"}[self.outlier_dtype] if self.outliers else ""
         return f"{kind}{self.bits}-{self.axis[0]}{self.group_size}{out}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,16 +154,20 @@ class QuantSpec:
             d["outlier_rule"] = self.outlier_rule
         if self.max_outliers is not None:
             d["max_outliers"] = self.max_outliers
+        if self.outlier_dtype != "model":
+            d["outlier_dtype"] = self.outlier_dtype
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers"}, "QuantSpec")
+        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers", "outlier_dtype"},
+                    "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
         return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32),
                    dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0),
-                   outlier_rule=d.get("outlier_rule", "channel"), max_outliers=d.get("max_outliers"))  # fmt: skip
+                   outlier_rule=d.get("outlier_rule", "channel"), max_outliers=d.get("max_outliers"),
+                   outlier_dtype=d.get("outlier_dtype", "model"))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)

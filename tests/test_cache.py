@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from conftest import tiny_llama
 from kvq_ao.api import make_cache, quantize_kv_
-from kvq_ao.config import KVQuantConfig
+from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.memory import estimate
 
 
@@ -131,6 +131,23 @@ def test_memory_formula_matches_bytes_actually_held(preset):
     report = cache.memory_report()
     assert abs(report.bytes - held) / held < 0.01
     print(f"{preset}: {report}")
+
+
+@pytest.mark.parametrize("outlier_dtype", ["model", "float16"])
+def test_memory_formula_counts_outlier_slots_in_their_dtype(outlier_dtype):
+    """Outlier values stored in float16 in a float32 model: 3 bytes a slot with the index, not 5,
+    in the report and in the bytes held; the cache still reads them back (within float16)."""
+    model = tiny_llama(layers=2)
+    value = QuantSpec(3, "token", 32, outliers=0.05, outlier_rule="vector", outlier_dtype=outlier_dtype)
+    cfg = KVQuantConfig(default=LayerKV(QuantSpec(4, "channel", 32), value), sink_tokens=1, residual_length=16)
+    quantize_kv_(model, cfg)
+    cache = make_cache(model)
+    _run(model, torch.randint(0, 128, (1, 1024)), cache, 256)
+    held = cache.tensor_bytes()
+    assert abs(cache.memory_report().bytes - held) / held < 0.01
+    out_val = cache.layers[0].v_body.out_val
+    assert out_val.dtype == (torch.float16 if outlier_dtype == "float16" else torch.float32)
+    assert out_val.abs().sum() > 0  # slots were filled
 
 
 def test_kivi2_memory_at_4096_tokens_on_smollm2_shape_by_hand():

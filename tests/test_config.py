@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from kvq_ao.config import PRESETS, KVQuantConfig, LayerKV, QuantSpec
 
@@ -102,3 +103,13 @@ def test_max_outliers_sizes_the_slots_round_trips_and_is_checked():
         QuantSpec(4, max_outliers=2)
     with pytest.raises(ValueError, match="max_outliers 65 exceeds head_dim 64"):
         QuantSpec(4, outliers=0.01, max_outliers=65).check_head_dim(64)
+
+
+def test_outlier_dtype_round_trips_labels_and_is_checked():
+    spec = QuantSpec(3, "token", 32, outliers=0.02, outlier_rule="vector", outlier_dtype="float16")
+    assert QuantSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert spec.label() == "int3-t32+2%v/f16" and "outlier_dtype" not in QuantSpec(4, outliers=0.01).to_dict()
+    assert spec.outlier_values_dtype(torch.float32) == torch.float16
+    assert QuantSpec(3, outliers=0.02).outlier_values_dtype(torch.bfloat16) == torch.bfloat16  # "model"
+    with pytest.raises(ValueError, match="outlier_dtype must be one of"):
+        QuantSpec(3, outliers=0.02, outlier_dtype="float8")

@@ -37,15 +37,22 @@ def _generate_and_compare(runner, cfg, prompt, runtime: str):
     return step
 
 
+def _half_value_outliers(cfg):
+    value = dataclasses.replace(cfg.default.value, outlier_dtype="float16")
+    return dataclasses.replace(cfg, default=dataclasses.replace(cfg.default, value=value))
+
+
 @pytest.fixture(scope="module", params=["kivi-2-r8", "kivi-4", "kvquant-nuq3-2pct"])
 def exported(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
     cfg = {
         "kivi-2-r8": SHORT_WINDOW,
         "kivi-4": KVQuantConfig.preset("kivi-4"),
-        # calibrated codebooks, outlier slots (keys' judged by calibrated channel thresholds, values'
-        # per vector online), pre-RoPE keys, a sink; key blocks of 16 so codes are read
-        "kvquant-nuq3-2pct": kvquant_config(bits=3, outliers=0.02, value_outlier_rule="vector", folder=folder),
+        # calibrated codebooks, outlier slots (keys' judged by calibrated channel thresholds and kept in
+        # the model's dtype, values' per vector online and kept in float16), pre-RoPE keys, a sink; key
+        # blocks of 16 so codes are read
+        "kvquant-nuq3-2pct": _half_value_outliers(kvquant_config(bits=3, outliers=0.02, value_outlier_rule="vector",
+                                                                 folder=folder)),  # fmt: skip
     }[request.param]
     pte = export_executorch(tiny_llama(), cfg, folder / "m.pte", max_seq_len=MAX_LEN)
     onnx_path = export_onnx(tiny_llama(), cfg, folder / "m.onnx", max_seq_len=MAX_LEN)

@@ -127,3 +127,12 @@ def test_pre_rope_keys_far_into_a_long_cache_match_the_reference_kernel():
     native = torch.ops.kvq.decode_attention(**named)
     ref = reference.attention(**reference_arguments(named), target="eager")
     torch.testing.assert_close(native, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("outlier_dtype", [torch.float16, torch.bfloat16])
+def test_outlier_values_in_16_bits_in_a_float32_model(outlier_dtype):
+    """A QuantSpec with outlier_dtype stores the kept values in 16 bits whatever the model's dtype;
+    the kernel reads them as stored (the float64 reference reads the same rounded values)."""
+    named = native_case(8, k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1), pre_rope=True)
+    named.update(k_out_val=named["k_out_val"].to(outlier_dtype), v_out_val=named["v_out_val"].to(outlier_dtype))
+    check(named)

@@ -88,6 +88,13 @@ def test_gqa_ratios_and_head_dims_over_many_blocks(ratio, d):
     check(named)
 
 
+@pytest.mark.parametrize("outlier_dtype", [torch.float16, torch.bfloat16])
+def test_outlier_values_in_16_bits_in_a_float32_model(outlier_dtype):
+    named = native_case(8, k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1), pre_rope=True)
+    named.update(k_out_val=named["k_out_val"].to(outlier_dtype), v_out_val=named["v_out_val"].to(outlier_dtype))
+    check(named)
+
+
 def test_masks_change_the_result():
     """The mask tests above would pass vacuously if the kernel ignored the masks."""
     plain = check(native_case(1))

@@ -258,6 +258,14 @@ def test_calibration_for_another_config_is_rejected(artifact):
         for_model(tiny_llama(), other)
 
 
+def test_calibration_serves_a_config_that_only_stores_outliers_in_another_dtype(artifact):
+    """The fit (codebooks, thresholds) does not depend on what outlier values are stored in."""
+    cfg, calib = artifact
+    half = dataclasses.replace(cfg.default, key=dataclasses.replace(cfg.default.key, outlier_dtype="bfloat16"))
+    assert calib.made_for(dataclasses.replace(cfg, default=half), 2)
+    assert not calib.made_for(dataclasses.replace(cfg, default=dataclasses.replace(half, key=dataclasses.replace(half.key, bits=4))), 2)
+
+
 def test_corrupt_or_truncated_calibration_is_rejected(artifact, tmp_path):
     cfg, calib = artifact
     path = calib.save(tmp_path / "c.json")
