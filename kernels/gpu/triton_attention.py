@@ -129,6 +129,29 @@ def _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """`_scores` for many query rows, as matrix products (tensor cores on a GPU)."""
+    s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+    s = s * scaling
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return tl.where(allow, s, float("-inf"))
+
+
+@triton.jit
+def _side_keys(side_k, vec, ok, dh, ok_dh, pos, inv_freq, rope_scale, D: tl.constexpr, HALF: tl.constexpr,
+               PRE_ROPE: tl.constexpr):  # fmt: skip
+    """Key halves [n, DH] of side-store entries vec [n] (ok: filled), rotated at pos when pre-RoPE."""
+    at = side_k + vec[:, None] * D + dh[None, :]
+    k_ok = ok[:, None] & ok_dh[None, :]
+    k1 = tl.load(at, mask=k_ok, other=0.0).to(tl.float32)
+    k2 = tl.load(at + HALF, mask=k_ok, other=0.0).to(tl.float32)
+    if PRE_ROPE:
+        k1, k2 = _rope(k1, k2, pos, inv_freq, dh, ok_dh, rope_scale)
+    return k1, k2
+
+
+@triton.jit
 def _allowed(mask, b, qh, ok_h, pos, ok, T, HQ, MASK_HEADS: tl.constexpr):
     """The bool mask [B, 1 or Hq, 1, T] at positions pos [n] for query heads qh [NP] -> [NP, n]."""
     if MASK_HEADS == 1:
@@ -232,12 +255,7 @@ def _decode_merge(
         at = tl.maximum(pos, 0)  # an empty slot (-1) reads column 0, then is not allowed
         allow = _allowed(mask, b, qh, ok_h, at, ok, T, HQ, MASK_HEADS)
         vec = row * S + j
-        k_at = side_k + vec[:, None] * D + dh[None, :]
-        k_ok = ok[:, None] & ok_dh[None, :]
-        k1 = tl.load(k_at, mask=k_ok, other=0.0).to(tl.float32)
-        k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0).to(tl.float32)
-        if PRE_ROPE:
-            k1, k2 = _rope(k1, k2, at, inv_freq, dh, ok_dh, rope_scale)
+        k1, k2 = _side_keys(side_k, vec, ok, dh, ok_dh, at, inv_freq, rope_scale, D, HALF, PRE_ROPE)
         sc = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
         v = tl.load(side_v + vec[:, None] * DV + dv[None, :], mask=ok[:, None] & ok_dv[None, :], other=0.0).to(tl.float32)
         m, l, acc = _softmax_step(m, l, acc, sc, v)
@@ -325,11 +343,7 @@ def _chunk_attention(
                       D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
         if PRE_ROPE:
             k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
-        s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
-        s = s * scaling
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(allow, s, float("-inf"))
+        s = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
         v = _dequant(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
                      DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
         m, l, acc = _softmax_step_dot(m, l, acc, s, v, PRECISION)
@@ -343,17 +357,8 @@ def _chunk_attention(
             allow = allow & (tl.load(mask + mask_row[:, None] + at[None, :], mask=allow, other=0) != 0)
         ok_j = pos >= 0
         vec = row * S + j
-        k_at = side_k + vec[:, None] * D + dh[None, :]
-        k_ok = ok_j[:, None] & ok_dh[None, :]
-        k1 = tl.load(k_at, mask=k_ok, other=0.0).to(tl.float32)
-        k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0).to(tl.float32)
-        if PRE_ROPE:
-            k1, k2 = _rope(k1, k2, at, inv_freq, dh, ok_dh, rope_scale)
-        sc = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
-        sc = sc * scaling
-        if SOFTCAP:
-            sc = softcap * _tanh(sc / softcap)
-        sc = tl.where(allow, sc, float("-inf"))
+        k1, k2 = _side_keys(side_k, vec, ok_j, dh, ok_dh, at, inv_freq, rope_scale, D, HALF, PRE_ROPE)
+        sc = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
         v = tl.load(side_v + vec[:, None] * DV + dv[None, :], mask=ok_j[:, None] & ok_dv[None, :], other=0.0).to(tl.float32)
         m, l, acc = _softmax_step_dot(m, l, acc, sc, v, PRECISION)
     result = acc / tl.where(l > 0, l, 1.0)[:, None]
