@@ -31,6 +31,7 @@ INITIALIZED = ("side_pos", "out_val")
 # Exported programs lower the reference kernels (core ATen), on every device.
 DECOMPOSITIONS = {
     torch.ops.kvq.quantize.default: reference.quantize,
+    torch.ops.kvq.quantize_fixed.default: reference.quantize_fixed,
     torch.ops.kvq.dequantize.default: reference.dequantize,
     torch.ops.kvq.decode_attention.default: lambda *args, **kwargs: run_reference(args, kwargs),
     torch.ops.kvq.chunk_attention.default: lambda *args, **kwargs: run_reference(args, kwargs),

@@ -25,7 +25,8 @@ import math
 import torch
 
 from kvq_ao import masks
-from kvq_ao.quant.codebook import dequantize_codebook, quantize_codebook
+from kvq_ao.quant.codebook import dequantize_codebook, nearest_level, quantize_codebook
+from kvq_ao.quant.packing import pack
 from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
 from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
@@ -52,6 +53,33 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: tor
     else:
         codes, scale, zero = quantize_uniform(dense, bits, axis, group, scale_dtype)
     return codes, scale, zero, out_val, out_idx, clamped
+
+
+def quantize_fixed(x: torch.Tensor, bits: int, zero: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
+                   lo: torch.Tensor, hi: torch.Tensor, n_outliers: int):  # fmt: skip
+    """x [B, H, T, D] against fixed per-channel ranges -> (codes, out_val, out_idx, clamped).
+
+    Each entry is clamped into its channel's [lo, hi] (the up to n_outliers per vector furthest
+    outside it kept exact) and coded against zero/scale [H, D] (from `fixed_range(lo, hi)`), so a
+    token needs no statistics of other tokens and no metadata of its own. clamped: entries outside
+    their range that were not kept exact.
+    """
+    if n_outliers > 0:
+        dense, out_val, out_idx, clamped = split_outliers(x, lo, hi, n_outliers)
+    else:
+        lo4, hi4 = lo.float()[None, :, None, :], hi.float()[None, :, None, :]
+        xf = x.float()
+        dense = torch.minimum(torch.maximum(xf, lo4), hi4)
+        out_val = x.new_zeros([*x.shape[:-1], 0])
+        out_idx = x.new_zeros([*x.shape[:-1], 0], dtype=torch.uint8)
+        clamped = ((xf < lo4) | (xf > hi4)).sum()
+    z, s = zero.float()[None, :, None, :], scale.float()[None, :, None, :]
+    u = (dense - z) / torch.where(s > 0, s, torch.ones_like(s))
+    if codebook.numel() > 0:
+        codes = nearest_level(u, codebook)
+    else:
+        codes = torch.round(u).clamp(0.0, float(2**bits - 1))
+    return pack(codes.to(torch.uint8), bits), out_val, out_idx, clamped
 
 
 def dequantize(codes, scale, zero, codebook, out_val, out_idx, bits: int, axis: int, group: int,
@@ -237,11 +265,21 @@ STREAM_SCORES = 2**22  # query rows x block positions of one block's scores (16 
 STREAM_BLOCK = (256, 8192)  # the range of body positions dequantized at once by `streaming_attention`
 
 
+def _spans_body(axis: int, group: int, t: int) -> bool:
+    """Whether a per-channel operand's one scale/zero row serves every position (calibrated ranges)."""
+    return axis == 1 and group >= t
+
+
 def _body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, start: int, end: int):
-    """Positions [start, end) of one operand's body (start and end on its per-channel group grid)."""
-    rows = (start // group, end // group) if axis == 1 and scale.numel() else (start, end)
+    """Positions [start, end) of one operand's body -> (codes, scale, zero, out_val, out_idx, group):
+    start and end on its per-channel group grid, unless one row spans the body (then it is kept
+    whole and the slice is one group)."""
     cut = lambda t, a, b: t[:, :, a:b] if t.dim() == 4 else t  # noqa: E731  (empty placeholders stay)
-    return cut(codes, start, end), cut(scale, *rows), cut(zero, *rows), cut(out_val, start, end), cut(out_idx, start, end)
+    if _spans_body(axis, group, codes.shape[2]):
+        return cut(codes, start, end), scale, zero, cut(out_val, start, end), cut(out_idx, start, end), end - start
+    rows = (start // group, end // group) if axis == 1 and scale.numel() else (start, end)
+    return (cut(codes, start, end), cut(scale, *rows), cut(zero, *rows), cut(out_val, start, end), cut(out_idx, start, end),
+            group)  # fmt: skip
 
 
 def _block_attention(q, k, v, ok, scaling: float, softcap: float):
@@ -333,7 +371,7 @@ def streaming_attention(
     first = max(body_start, min(tl[2] for tl in tiles))
     last = min(max(min(tl[5], tl[7]) for tl in tiles), t)  # past every tile's causal bound and body end
     grid = math.lcm(*(group for axis, group, bits in ((k_axis, k_group, k_bits), (v_axis, v_group, v_bits))
-                      if bits and axis == 1))  # per-channel groups: slices start and end on their grid  # fmt: skip
+                      if bits and axis == 1 and not _spans_body(axis, group, t)))  # per-channel groups: slices start and end on their grid  # fmt: skip
     if block is None:
         block = min(max(STREAM_SCORES // (hq * min(tile, tq)), STREAM_BLOCK[0]), STREAM_BLOCK[1])
     step = max(grid, block // grid * grid)
@@ -342,10 +380,10 @@ def streaming_attention(
         readers = [tl for tl in tiles if start < min(tl[5], tl[7]) and end > max(tl[2], body_start)]
         if not readers:
             continue
-        kc, ks, kz, kov, koi = _body_slice(k_codes, k_scale, k_zero, k_out_val, k_out_idx, k_axis, k_group, start, end)
-        vc, vs, vz, vov, voi = _body_slice(v_codes, v_scale, v_zero, v_out_val, v_out_idx, v_axis, v_group, start, end)
-        k = dequantize(kc, ks, kz, k_codebook, kov, koi, k_bits, k_axis, k_group, torch.float32)
-        v = dequantize(vc, vs, vz, v_codebook, vov, voi, v_bits, v_axis, v_group, torch.float32)
+        kc, ks, kz, kov, koi, kg = _body_slice(k_codes, k_scale, k_zero, k_out_val, k_out_idx, k_axis, k_group, start, end)
+        vc, vs, vz, vov, voi, vg = _body_slice(v_codes, v_scale, v_zero, v_out_val, v_out_idx, v_axis, v_group, start, end)
+        k = dequantize(kc, ks, kz, k_codebook, kov, koi, k_bits, k_axis, kg, torch.float32)
+        v = dequantize(vc, vs, vz, v_codebook, vov, voi, v_bits, v_axis, vg, torch.float32)
         positions = torch.arange(start, end, device=q.device)
         if pre_rope:
             k = rotate(k, positions, rope_inv_freq, rope_scale)
@@ -373,4 +411,4 @@ def streaming_attention(
     return acc.to(q.dtype)
 
 
-__all__ = ["attention", "dequantize", "quantize", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]
+__all__ = ["attention", "dequantize", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]

@@ -34,10 +34,14 @@ from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.rope import unrotate
+from kvq_ao.quant.uniform import fixed_range
 from kvq_ao.tensor import QuantizedKV
 
 _GROWTH_STEP = 256  # a dynamic cache's capacity is a multiple of this many tokens (and of its block)
 _GROWTH_FACTOR = 1.5  # ...and grows at least this much at a time, so appending n tokens copies O(n) bytes
+# A static cache's capacity is a multiple of this many tokens (and of its block), so generations
+# whose prompt + max_new_tokens differ by a little share one compiled graph (one per capacity).
+_STATIC_STEP = 16
 
 
 def _op_format(spec: QuantSpec) -> tuple[int, int, int]:
@@ -75,16 +79,24 @@ class _BodyStore:
         self.codebook = _codebook_for(spec, calib).to(device)
         self.n_outliers = spec.outlier_slots(head_dim)
         self.lo = self.hi = torch.zeros(0, device=device)
-        if self.n_outliers and spec.outlier_rule == "channel":  # "vector": judged online, lo/hi stay empty
+        # "vector" outliers are judged online: lo/hi stay empty
+        if spec.calibrated_ranges or (self.n_outliers and spec.outlier_rule == "channel"):
             if calib is None or calib.lo is None or calib.hi is None:
-                raise ValueError(f"{spec.label()} needs calibrated outlier thresholds: pass a calibration (kvq calibrate)")
+                what = "channel ranges" if spec.calibrated_ranges else "outlier thresholds"
+                raise ValueError(f"{spec.label()} needs calibrated {what}: pass a calibration (kvq calibrate)")
             if tuple(calib.lo.shape) != (h, head_dim) or tuple(calib.hi.shape) != (h, head_dim):
                 raise ValueError(f"outlier thresholds must be [{h}, {head_dim}], got {list(calib.lo.shape)}")
             self.lo, self.hi = calib.lo.float().to(device), calib.hi.float().to(device)
         self.out_val = torch.zeros(b, h, capacity, self.n_outliers, dtype=spec.outlier_values_dtype(dtype), device=device)
         self.out_idx = torch.zeros(b, h, capacity, self.n_outliers, dtype=torch.uint8, device=device)
         self.clamped = 0  # outlier entries clamped because their vector's slots were full (eager writes)
-        if spec.is_quantized:
+        if spec.calibrated_ranges:  # one fixed scale/zero row per head, read for every position
+            self.codes = torch.zeros(b, h, capacity, packed_size(head_dim, spec.bits), dtype=torch.uint8, device=device)
+            levels = 1 if self.codebook.numel() else 2**spec.bits - 1  # codebook levels span [0, 1] of the range
+            self.fixed_zero, self.fixed_scale = fixed_range(self.lo, self.hi, levels, scale_dtype)
+            self.zero = self.fixed_zero[None, :, None, :].repeat(b, 1, 1, 1)
+            self.scale = self.fixed_scale[None, :, None, :].repeat(b, 1, 1, 1)
+        elif spec.is_quantized:
             self.codes = torch.zeros(b, h, capacity, packed_size(head_dim, spec.bits), dtype=torch.uint8, device=device)
             meta = (b, h, capacity, head_dim // spec.group_size) if spec.axis == "token" else (b, h, capacity // spec.group_size, head_dim)
             self.scale = torch.zeros(meta, dtype=scale_dtype, device=device)
@@ -102,6 +114,19 @@ class _BodyStore:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.scale, self.zero
 
+    def op_format(self) -> tuple[int, int, int]:
+        """(bits, axis, group) the kvq ops read this body with: calibrated ranges are the per-channel
+        format with one scale/zero row for all positions (group = the capacity)."""
+        if self.spec.calibrated_ranges:
+            return self.spec.bits, self.spec.axis_id, self.codes.shape[2]
+        return _op_format(self.spec)
+
+    def clear(self) -> None:
+        """Forget every stored token (fixed calibrated ranges stay)."""
+        fixed = self.spec.calibrated_ranges
+        for t in (self.codes, *(() if fixed else (self.scale, self.zero)), *self.sparse()):
+            t.zero_()
+
     def sparse(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out_val, self.out_idx
 
@@ -113,7 +138,7 @@ class _BodyStore:
         self.codes = pad(self.codes, capacity)
         self.out_val = pad(self.out_val, capacity)
         self.out_idx = pad(self.out_idx, capacity)
-        if self.spec.is_quantized:
+        if self.spec.is_quantized and not self.spec.calibrated_ranges:
             self.scale = pad(self.scale, capacity // self.meta_per_row)
             self.zero = pad(self.zero, capacity // self.meta_per_row)
 
@@ -121,6 +146,10 @@ class _BodyStore:
         if not self.spec.is_quantized:
             return x.to(self.codes.dtype), None, None, None, None, None
         bits, axis, group = _op_format(self.spec)
+        if self.spec.calibrated_ranges:
+            codes, out_val, out_idx, clamped = torch.ops.kvq.quantize_fixed(
+                x, bits, self.fixed_zero, self.fixed_scale, self.codebook, self.lo, self.hi, self.n_outliers)  # fmt: skip
+            return codes, None, None, out_val.to(self.out_val.dtype), out_idx, clamped
         op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)
         codes, scale, zero, out_val, out_idx, clamped = op(x, bits, axis, group, self.scale_dtype, self.codebook, self.lo,
                                                            self.hi, self.n_outliers)  # fmt: skip
@@ -195,7 +224,8 @@ class QuantizedLayer(CacheLayerMixin):
         if max_cache_len is not None:
             if max_cache_len <= 0:
                 raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
-            max_cache_len = math.ceil(max_cache_len / self.block) * self.block
+            step = math.lcm(_STATIC_STEP, self.block)
+            max_cache_len = math.ceil(max_cache_len / step) * step
         self.max_cache_len = max_cache_len
         if reserve is not None and reserve < 0:
             raise ValueError(f"reserve must be >= 0 tokens, got {reserve}")
@@ -390,9 +420,9 @@ class QuantizedLayer(CacheLayerMixin):
     def keys_values(self, side=None) -> tuple[QuantizedKV, QuantizedKV]:
         """The layer's keys and values as `QuantizedKV` views of its storage; `side` = (keys,
         values, positions, body_end) replaces the side store and body end (see `_chunk_views`)."""
-        kb, ka, kg = _op_format(self.spec.key)
-        vb, va, vg = _op_format(self.spec.value)
         k, v = self.k_body, self.v_body
+        kb, ka, kg = k.op_format()
+        vb, va, vg = v.op_format()
         side_k, side_v, side_pos, body_end = side or (self.side_k, self.side_v, self.side_pos, self.body_end)
         no_rope = self.rope_inv_freq[:0]
         keys = QuantizedKV(*k.tensors(), k.codebook, *k.sparse(), side_k, side_pos, body_end,
@@ -425,8 +455,9 @@ class QuantizedLayer(CacheLayerMixin):
     def reset(self) -> None:
         if not self.is_initialized:
             return
-        for t in (*self.k_body.tensors(), *self.v_body.tensors(), *self.k_body.sparse(), *self.v_body.sparse(),
-                  self.side_k, self.side_v, self.body_end):  # fmt: skip
+        self.k_body.clear()
+        self.v_body.clear()
+        for t in (self.side_k, self.side_v, self.body_end):
             t.zero_()
         self.side_pos.fill_(-1)
         if isinstance(self.cumulative_length, torch.Tensor):

@@ -7,7 +7,8 @@ activations, one backward pass per sample), and fits what the config's specs nee
 
 * outlier thresholds: per channel, the (f/2, 1 - f/2) quantiles of the calibration activations
   for an outlier fraction f (`kvq_ao.quant.outliers`), for specs whose outlier_rule is "channel"
-  ("vector" outliers are judged online and need none);
+  ("vector" outliers are judged online and need none); for specs with calibrated ranges they are
+  also each channel's fixed quantization range (min/max when f = 0; sink tokens left out);
 * "nuq" codebooks: per layer, for keys and values separately, 2**bits levels from 1-D k-means
   on the activations normalized exactly as the cache normalizes them (groups, outlier clamping,
   sink tokens left out), each entry weighted by its Fisher information (KVQuant: the levels go
@@ -39,7 +40,7 @@ from kvq_ao.models import cache_dir, pydoc_text, text_windows
 from kvq_ao.quant.rope import rotate
 from kvq_ao.quant.codebook import normalize
 from kvq_ao.quant.outliers import split_vector_outliers
-from kvq_ao.quant.uniform import AXIS_CHANNEL
+from kvq_ao.quant.uniform import AXIS_CHANNEL, fixed_range
 
 CALIBRATION_VERSION = 1
 KINDS = ("key", "value")
@@ -269,6 +270,11 @@ def normalized(x: torch.Tensor, spec: QuantSpec, sink: int, lo: torch.Tensor | N
         x = torch.minimum(torch.maximum(x, lo4), hi4)
     if sink:
         keep[:, :, :sink] = False
+    if spec.calibrated_ranges:  # every token against its channel's fixed range, as the cache codes it
+        zero, scale = (t.float()[None, :, None, :] for t in fixed_range(lo, hi, 1, torch.float16))
+        u = (x - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))
+        return u.clamp(0.0, 1.0), keep
+    if sink:
         if spec.axis_id == AXIS_CHANNEL:  # the cache stands the block's last token in for sink tokens
             x = x.clone()
             x[:, :, :sink] = x[:, :, spec.group_size - 1 : spec.group_size]
@@ -332,8 +338,11 @@ def fit(acts: Activations, config: KVQuantConfig, fisher: bool = True, use_qnorm
         x_all, f_all = acts.of(kind)
         x, f = x_all[i], f_all[i]
         lo = hi = None
-        if spec.outliers > 0 and spec.outlier_rule == "channel":
-            lo, hi = channel_thresholds(x, spec.outliers)
+        if spec.calibrated_ranges or (spec.outliers > 0 and spec.outlier_rule == "channel"):
+            # Calibrated ranges leave the sink tokens out (kept in full precision, they would set
+            # every channel's min/max); outlier thresholds alone keep the fit they always had.
+            fitted = x[:, :, config.sink_tokens :] if spec.calibrated_ranges else x
+            lo, hi = channel_thresholds(fitted, spec.outliers)
             tensors[Calibration.key(i, kind, "lo")] = lo
             tensors[Calibration.key(i, kind, "hi")] = hi
         if spec.dtype == "nuq":

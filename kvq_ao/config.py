@@ -31,6 +31,9 @@ DATATYPES = ("int", "nf", "nuq")
 # "vector" online, each vector's entries furthest from its mean (KVQuant's values).
 OUTLIER_RULES = ("channel", "vector")
 OUTLIER_DTYPES = ("model", "float16", "bfloat16")  # what an exact outlier value is stored in
+# Where per-channel key ranges come from: "online", per block of `group_size` tokens as they arrive
+# (KIVI); "calibrated", one range per layer, head and channel fitted offline (KVQuant's keys).
+RANGES = ("online", "calibrated")
 CODEBOOK_BITS = (2, 3, 4)
 CONFIG_VERSION = 1
 
@@ -57,6 +60,11 @@ class QuantSpec:
     outlier_dtype: what the kept outlier values are stored in: "model" (the model's dtype, exact),
           or "float16" / "bfloat16" (16 bits a value: in a float32 model a slot costs 24 bits with
           its uint8 channel index instead of 40, and the value is rounded to that precision).
+    ranges: for axis "channel", where each channel's range comes from. "online" sets it per block
+          of `group_size` tokens (the block being filled waits in full precision); "calibrated"
+          takes it from a calibration (the channel's outlier thresholds, or its calibration
+          min/max without outliers), so every token is quantized on arrival and the body holds no
+          per-token metadata at all (`group_size` is then unused).
     """
 
     bits: int | None = None
@@ -67,6 +75,7 @@ class QuantSpec:
     outlier_rule: str = "channel"
     max_outliers: int | None = None
     outlier_dtype: str = "model"
+    ranges: str = "online"
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -94,10 +103,21 @@ class QuantSpec:
                 raise ValueError("max_outliers needs outliers > 0 (it sizes the room for them)")
         if self.outlier_dtype not in OUTLIER_DTYPES:
             raise ValueError(f"outlier_dtype must be one of {OUTLIER_DTYPES}, got {self.outlier_dtype!r}")
+        if self.ranges not in RANGES:
+            raise ValueError(f"ranges must be one of {RANGES}, got {self.ranges!r}")
+        if self.ranges == "calibrated" and self.axis != "channel":
+            raise ValueError("ranges 'calibrated' needs axis 'channel' (it fixes each channel's range; per-token "
+                             "groups take their range from each token)")  # fmt: skip
 
     @property
     def needs_calibration(self) -> bool:
-        return self.is_quantized and (self.dtype == "nuq" or (self.outliers > 0 and self.outlier_rule == "channel"))
+        return self.is_quantized and (self.dtype == "nuq" or self.calibrated_ranges
+                                      or (self.outliers > 0 and self.outlier_rule == "channel"))  # fmt: skip
+
+    @property
+    def calibrated_ranges(self) -> bool:
+        """Per-channel ranges fixed by a calibration (quantized on arrival, no metadata per token)."""
+        return self.is_quantized and self.ranges == "calibrated"
 
     @property
     def is_quantized(self) -> bool:
@@ -110,7 +130,7 @@ class QuantSpec:
     @property
     def token_block(self) -> int:
         """Tokens that must arrive before they can be quantized together."""
-        return self.group_size if self.is_quantized and self.axis == "channel" else 1
+        return self.group_size if self.is_quantized and self.axis == "channel" and not self.calibrated_ranges else 1
 
     def outlier_slots(self, head_dim: int) -> int:
         """Outlier slots of each vector: `max_outliers`, or ceil(outliers * head_dim); 0 unquantized."""
@@ -142,7 +162,8 @@ class QuantSpec:
         out = f"+{self.outliers:.0%}" + ("v" if self.outlier_rule == "vector" else "") if self.outliers else ""
         out += f"x{self.max_outliers}" if self.max_outliers is not None else ""
         out += {"model": "", "float16": "/f16", "bfloat16": "/bf16"}[self.outlier_dtype] if self.outliers else ""
-        return f"{kind}{self.bits}-{self.axis[0]}{self.group_size}{out}"
+        grouping = "cal" if self.calibrated_ranges else f"{self.axis[0]}{self.group_size}"
+        return f"{kind}{self.bits}-{grouping}{out}"
 
     def to_dict(self) -> dict[str, Any]:
         d = {"bits": "none" if self.bits is None else self.bits, "axis": self.axis, "group_size": self.group_size}
@@ -156,18 +177,21 @@ class QuantSpec:
             d["max_outliers"] = self.max_outliers
         if self.outlier_dtype != "model":
             d["outlier_dtype"] = self.outlier_dtype
+        if self.ranges != "online":
+            d["ranges"] = self.ranges
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers", "outlier_dtype"},
+        _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers", "outlier_dtype",
+                       "ranges"},
                     "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
         return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32),
                    dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0),
                    outlier_rule=d.get("outlier_rule", "channel"), max_outliers=d.get("max_outliers"),
-                   outlier_dtype=d.get("outlier_dtype", "model"))  # fmt: skip
+                   outlier_dtype=d.get("outlier_dtype", "model"), ranges=d.get("ranges", "online"))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)
@@ -426,4 +450,4 @@ PRESETS: dict[str, KVQuantConfig] = {
 }
 
 
-__all__ = ["KVQuantConfig", "LayerKV", "QuantSpec", "AXES", "DATATYPES", "OUTLIER_RULES", "SCALE_DTYPES"]
+__all__ = ["KVQuantConfig", "LayerKV", "QuantSpec", "AXES", "DATATYPES", "OUTLIER_RULES", "RANGES", "SCALE_DTYPES"]

@@ -25,7 +25,8 @@ def body_bytes(spec: QuantSpec, heads: int, head_dim: int, tokens: int, dtype_by
     if not spec.is_quantized:
         return heads * tokens * head_dim * dtype_bytes
     codes = heads * tokens * head_dim * spec.bits // 8
-    meta_rows = tokens * head_dim // spec.group_size  # per-token: T x D/G; per-channel: T/G x D
+    # per-token: T x D/G; per-channel: T/G x D; calibrated ranges: one row of D for all tokens
+    meta_rows = head_dim if spec.calibrated_ranges else tokens * head_dim // spec.group_size
     value_bytes = dtype_bytes if spec.outlier_dtype == "model" else 2
     sparse = heads * tokens * spec.outlier_slots(head_dim) * (value_bytes + 1)
     codebook = 4 * 2**spec.bits if spec.dtype != "int" else 0

@@ -87,6 +87,49 @@ def _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers) -> None:
             raise ValueError(f"kvq: outlier thresholds must be [heads, head_dim] = {list(want)}, got {list(lo.shape)} and {list(hi.shape)}")
 
 
+@torch.library.custom_op("kvq::quantize_fixed", mutates_args=())
+def quantize_fixed(
+    x: torch.Tensor, bits: int, zero: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor, lo: torch.Tensor,
+    hi: torch.Tensor, n_outliers: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [B, H, T, D] float against fixed per-channel ranges -> (codes, outlier values, outlier
+    indices, clamped count).
+
+    lo/hi [H, D]: each channel's calibrated range (entries outside it are outliers, up to n_outliers
+    per vector kept exact, the rest clamped); zero/scale [H, D]: the stored range that covers it
+    (`kvq_ao.quant.uniform.fixed_range`). The codes read as the per-channel format with one
+    scale/zero row for every position (`kvq.dequantize` with group = the body's length).
+    """
+    _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
+    return reference.quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
+
+
+@quantize_fixed.register_fake
+def _(x, bits, zero, scale, codebook, lo, hi, n_outliers):
+    _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
+    sparse = [*x.shape[:-1], n_outliers]
+    return (
+        x.new_empty([*x.shape[:-1], packed_size(x.shape[-1], bits)], dtype=torch.uint8),
+        x.new_empty(sparse),
+        x.new_empty(sparse, dtype=torch.uint8),
+        x.new_empty([], dtype=torch.int64),
+    )
+
+
+def _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers) -> None:
+    _check_format(bits, AXIS_CHANNEL, 1)
+    _check_codebook_shape(codebook, bits)
+    if x.dim() != 4:
+        raise ValueError(f"kvq: quantize_fixed takes x as [batch, heads, tokens, head_dim], got {list(x.shape)}")
+    packed_size(x.shape[-1], bits)
+    want = (x.shape[1], x.shape[-1])
+    for name, t in (("zero", zero), ("scale", scale), ("lo", lo), ("hi", hi)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"kvq: fixed ranges need {name} as [heads, head_dim] = {list(want)}, got {list(t.shape)}")
+    if n_outliers < 0 or n_outliers > x.shape[-1] or (n_outliers and x.shape[-1] >= 255):
+        raise ValueError(f"kvq: n_outliers must be in [0, head_dim={x.shape[-1]}] with head_dim < 255, got {n_outliers}")
+
+
 def _check_codebook_shape(codebook: torch.Tensor, bits: int) -> None:
     if codebook.numel() == 0:
         return
@@ -329,6 +372,7 @@ def enable_inductor_fusion() -> None:
     }
 
     register_decomposition(torch.ops.kvq.quantize.default)(reference.quantize)
+    register_decomposition(torch.ops.kvq.quantize_fixed.default)(reference.quantize_fixed)
     register_decomposition(torch.ops.kvq.dequantize.default)(reference.dequantize)
     register_decomposition(torch.ops.kvq.decode_attention.default)(_decode_attention_for_inductor)
     # Where the decomposition declines (a native kernel serves the device) the op reaches inductor's
@@ -358,4 +402,4 @@ def _chunk_attention_for_inductor(*args, **kwargs):
 
 
 __all__ = ["ATTENTION_FIELDS", "ATTENTION_SCHEMA", "chunk_attention", "decode_attention", "dequantize",
-           "enable_inductor_fusion", "named_arguments", "quantize", "reference_arguments", "run_reference"]  # fmt: skip
+           "enable_inductor_fusion", "named_arguments", "quantize", "quantize_fixed", "reference_arguments", "run_reference"]  # fmt: skip

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from kvq_ao import masks
 from kvq_ao.ops import ATTENTION_FIELDS, reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
-from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, fixed_range
 
 
 def attend(named: dict) -> torch.Tensor:
@@ -21,10 +21,29 @@ def positional(named: dict) -> tuple:
     return tuple(named[n] for n in ATTENTION_FIELDS)
 
 
+FIXED = 0  # a `group` meaning calibrated per-channel ranges: one scale/zero row for every position
+
+
+def _fixed_ranges(x, bits, cb, outliers):
+    """x in the calibrated-ranges format (`kvq.quantize_fixed`), read as one per-channel group spanning
+    all T positions: per-channel ranges of +-(1.5 .. 2.5), so some entries fall outside them."""
+    b, h, t, d = x.shape
+    spread = torch.linspace(1.5, 2.5, h * d).reshape(h, d)
+    lo, hi = -spread, spread
+    zero, scale = fixed_range(lo, hi, 1 if cb is not None else 2**bits - 1, torch.float16)
+    codes, out_val, out_idx, _ = torch.ops.kvq.quantize_fixed(x, bits, zero, scale, cb if cb is not None else torch.zeros(0),
+                                                              lo, hi, outliers)  # fmt: skip
+    row = lambda m: m[None, :, None, :].expand(b, h, 1, d).contiguous()  # noqa: E731
+    return codes, row(scale), row(zero), out_val, out_idx, t
+
+
 def operand(x, prefix, bits, axis, group, codebook=False, outliers=0, dtype=torch.float32) -> dict:
     """One of K ("k") or V ("v") of x [B, H, T, D] (float32) in a format, as the attention ops'
-    named arguments (bits 0: a float body). Outlier thresholds of +-1.5 make a few entries per
-    vector outliers; model-dtype fields (a float body, outlier values) are in `dtype`."""
+    named arguments (bits 0: a float body; group FIXED with the channel axis: calibrated ranges).
+    Outlier thresholds of +-1.5 make a few entries per vector outliers; model-dtype fields (a float
+    body, outlier values) are in `dtype`."""
+    fixed = group == FIXED and axis == AXIS_CHANNEL and bits
+    group = 16 if group == FIXED and not fixed else group
     fields = dict(bits=bits, axis=axis, group=group, codes=x.to(dtype), scale=None, zero=None, codebook=None,
                   out_val=None, out_idx=None)  # fmt: skip
     if bits:
@@ -32,9 +51,12 @@ def operand(x, prefix, bits, axis, group, codebook=False, outliers=0, dtype=torc
         h, d = x.shape[1], x.shape[-1]
         outliers = outliers if d < 255 else 0  # uint8 channel indices: refused at 256 (tested elsewhere)
         lo, hi = (-1.5 * torch.ones(h, d), 1.5 * torch.ones(h, d)) if outliers else (torch.zeros(0), torch.zeros(0))
-        codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
-            x, bits, axis, group, torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
-        )
+        if fixed:
+            codes, scale, zero, out_val, out_idx, fields["group"] = _fixed_ranges(x, bits, cb, outliers)
+        else:
+            codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
+                x, bits, axis, group, torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
+            )
         fields.update(codes=codes, scale=scale, zero=zero, codebook=cb)
         if outliers:
             fields.update(out_val=out_val.to(dtype), out_idx=out_idx)
@@ -150,13 +172,13 @@ def native_case(seed, *, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_T
 FORMATS = st.tuples(
     st.sampled_from([0, 2, 3, 4, 8]),  # bits (0: a float body)
     st.sampled_from([AXIS_TOKEN, AXIS_CHANNEL]),
-    st.sampled_from([8, 16]),  # group
+    st.sampled_from([8, 16, FIXED]),  # group (FIXED: calibrated per-channel ranges)
     st.booleans(),  # codebook levels (2-4 bits)
     st.sampled_from([0, 0, 1, 2]),  # outlier slots per vector
 )
 
 
-STREAM_FORMATS = [  # (bits, axis, codebook, outliers)
+STREAM_FORMATS = [  # (bits, axis, codebook, outliers[, group: 16 unless given])
     (0, AXIS_TOKEN, False, 0),
     (2, AXIS_CHANNEL, False, 0),
     (3, AXIS_CHANNEL, True, 1),
@@ -164,6 +186,8 @@ STREAM_FORMATS = [  # (bits, axis, codebook, outliers)
     (2, AXIS_TOKEN, True, 2),
     (8, AXIS_CHANNEL, False, 0),
     (4, AXIS_CHANNEL, False, 1),
+    (3, AXIS_CHANNEL, True, 1, FIXED),
+    (2, AXIS_CHANNEL, False, 0, FIXED),
 ]
 
 
@@ -194,9 +218,10 @@ def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(
                  body_end=ends if per_query else torch.tensor(body_end), body_start=sink, scaling=d**-0.5, softcap=softcap,
                  rope_inv_freq=(1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)) if pre_rope else None,
                  rope_scale=1.25 if pre_rope else 1.0)  # fmt: skip
-    for prefix, (bits, axis, codebook, outliers), scale in (("k", k_fmt, 2.0), ("v", v_fmt, 1.0)):
+    for prefix, (bits, axis, codebook, outliers, *group), scale in (("k", k_fmt, 2.0), ("v", v_fmt, 1.0)):
         x = torch.randn(2, hkv, t, d, generator=g) * scale
-        named.update(operand(x, prefix, bits, axis, 16, codebook, outliers if axis == AXIS_CHANNEL or bits else 0))
+        named.update(operand(x, prefix, bits, axis, group[0] if group else 16, codebook,
+                             outliers if axis == AXIS_CHANNEL or bits else 0))  # fmt: skip
     named["mask"] = bounds_for(2, torch.arange(length - tq, length), list(pad), window)
     return named
 

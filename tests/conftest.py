@@ -36,7 +36,7 @@ def smollm2():
 
 def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pre_rope: bool = True, sink: int = 1,
                    key_group: int = 16, value_group: int = 32, value_outlier_rule: str = "channel", model=None,
-                   folder=None, key_slots: int | None = None):  # fmt: skip
+                   folder=None, key_slots: int | None = None, key_ranges: str = "online"):  # fmt: skip
     """A KVQuant-style config calibrated for tiny_llama() on random tokens (saved under `folder`)."""
     import dataclasses
     import tempfile
@@ -47,9 +47,10 @@ def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pr
 
     model = model or tiny_llama()
     cfg = KVQuantConfig(
-        default=LayerKV(QuantSpec(bits, "channel", key_group, dtype, outliers, max_outliers=key_slots),
+        default=LayerKV(QuantSpec(bits, "channel", key_group, dtype, outliers, max_outliers=key_slots, ranges=key_ranges),
                         QuantSpec(bits, "token", value_group, dtype, outliers, value_outlier_rule)),
-        sink_tokens=sink, pre_rope_keys=pre_rope, name=f"tiny-kvquant-{dtype}{bits}-{outliers}-{value_outlier_rule}-{key_slots}",
+        sink_tokens=sink, pre_rope_keys=pre_rope,
+        name=f"tiny-kvquant-{dtype}{bits}-{outliers}-{value_outlier_rule}-{key_slots}-{key_ranges}-v{value_group}",
     )  # fmt: skip
     if not cfg.needs_calibration:
         return cfg

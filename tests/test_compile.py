@@ -73,7 +73,7 @@ def test_compiled_reference_decode_attention_with_kvquant_datatypes_matches_floa
     torch.testing.assert_close(compiled(*positional(named)).double(), reference_attention(named), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-nuq3-1pct-vector"])
+@pytest.mark.parametrize("kind", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-nuq3-1pct-vector", "kvquant-nuq3-1pct-calibrated"])
 def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
     """Compiled greedy generation gives eager's tokens, with one graph for two prompt lengths.
 
@@ -85,7 +85,9 @@ def test_compiled_generate_equals_eager_with_one_graph_and_no_recompiles(kind):
     """
     model = tiny_llama(seed=3)
     rule = "vector" if kind.endswith("vector") else "channel"  # how value outliers are judged
-    cfg = KVQuantConfig.preset("kivi-2") if kind == "kivi-2" else kvquant_config(bits=3, outliers=0.02, value_outlier_rule=rule, model=model)
+    ranges = "calibrated" if kind.endswith("calibrated") else "online"  # where key ranges come from
+    cfg = KVQuantConfig.preset("kivi-2") if kind == "kivi-2" else kvquant_config(bits=3, outliers=0.02, value_outlier_rule=rule,
+                                                                                 model=model, key_ranges=ranges)  # fmt: skip
     quantize_kv_(model, cfg)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (1, n), generator=g) for n in (40, 27)]

@@ -113,3 +113,16 @@ def test_outlier_dtype_round_trips_labels_and_is_checked():
     assert QuantSpec(3, outliers=0.02).outlier_values_dtype(torch.bfloat16) == torch.bfloat16  # "model"
     with pytest.raises(ValueError, match="outlier_dtype must be one of"):
         QuantSpec(3, outliers=0.02, outlier_dtype="float8")
+
+
+def test_calibrated_key_ranges_round_trip_label_and_are_checked():
+    spec = QuantSpec(3, "channel", 128, "nuq", 0.01, ranges="calibrated", outlier_dtype="float16")
+    assert QuantSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert spec.label() == "nuq3-cal+1%/f16" and "ranges" not in QuantSpec(4, "channel").to_dict()
+    assert spec.token_block == 1 and QuantSpec(3, "channel", 128).token_block == 128  # coded on arrival
+    assert QuantSpec(4, "channel", ranges="calibrated").needs_calibration  # even uniform levels, no outliers
+    assert not QuantSpec(None, "channel", ranges="calibrated").needs_calibration  # full precision: nothing to fit
+    with pytest.raises(ValueError, match="ranges 'calibrated' needs axis 'channel'"):
+        QuantSpec(3, "token", 32, ranges="calibrated")
+    with pytest.raises(ValueError, match="ranges must be one of"):
+        QuantSpec(3, "channel", ranges="static")

@@ -91,6 +91,14 @@ def group_range(g: torch.Tensor, dim: int, levels: int, scale_dtype: torch.dtype
     return zero, scale
 
 
+def fixed_range(lo: torch.Tensor, hi: torch.Tensor, levels: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zero, scale) in `scale_dtype` covering [lo, hi] elementwise with `levels` steps, rounded as
+    `group_range` rounds a group's range (zero down, scale up), so every entry clamped into
+    [lo, hi] lies inside the stored range. For ranges fixed ahead of time (calibrated keys)."""
+    zero, scale = group_range(torch.stack([lo.float(), hi.float()], dim=-2), -2, levels, scale_dtype)
+    return zero.squeeze(-2).to(scale_dtype), scale.squeeze(-2).to(scale_dtype)
+
+
 def quantize_uniform(
     x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,4 +135,4 @@ def dequantize_uniform(
     return x.reshape(codes.shape).to(out_dtype)
 
 
-__all__ = ["check_shape", "dequantize_uniform", "group_range", "quantize_uniform", "AXIS_CHANNEL", "AXIS_TOKEN"]
+__all__ = ["check_shape", "dequantize_uniform", "fixed_range", "group_range", "quantize_uniform", "AXIS_CHANNEL", "AXIS_TOKEN"]

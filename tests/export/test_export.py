@@ -48,11 +48,12 @@ def exported(request, tmp_path_factory):
     cfg = {
         "kivi-2-r8": SHORT_WINDOW,
         "kivi-4": KVQuantConfig.preset("kivi-4"),
-        # calibrated codebooks, outlier slots (keys' judged by calibrated channel thresholds and kept in
-        # the model's dtype, values' per vector online and kept in float16), pre-RoPE keys, a sink; key
-        # blocks of 16 so codes are read
+        # calibrated codebooks and key ranges (keys coded on arrival against fixed per-channel ranges),
+        # outlier slots (keys' judged by calibrated channel thresholds and kept in the model's dtype,
+        # values' per vector online and kept in float16), pre-RoPE keys, a sink (per-block key ranges:
+        # kivi-*)
         "kvquant-nuq3-2pct": _half_value_outliers(kvquant_config(bits=3, outliers=0.02, value_outlier_rule="vector",
-                                                                 folder=folder)),  # fmt: skip
+                                                                 folder=folder, key_ranges="calibrated")),  # fmt: skip
     }[request.param]
     pte = export_executorch(tiny_llama(), cfg, folder / "m.pte", max_seq_len=MAX_LEN)
     onnx_path = export_onnx(tiny_llama(), cfg, folder / "m.onnx", max_seq_len=MAX_LEN)
@@ -162,7 +163,10 @@ def _assert_codes_agree(cfg, name: str, got: torch.Tensor, want: torch.Tensor, g
         return
     a, b = unpack_float(got, spec.bits), unpack_float(want, spec.bits)
     same = (got_meta["scale"] == want_meta["scale"]) & (got_meta["zero"] == want_meta["zero"])
-    same = same.repeat_interleave(spec.group_size, dim=-1 if spec.axis == "token" else -2)
+    if spec.axis == "token":
+        same = same.repeat_interleave(spec.group_size, dim=-1)
+    else:  # per-channel: a row per block of tokens, or one for all (calibrated ranges)
+        same = same.repeat_interleave(a.shape[-2] // same.shape[-2], dim=-2)
     assert torch.equal(a[same], b[same]), f"{name}: codes differ where scale and zero are identical"
     assert (a - b).abs().max() <= 1, f"{name}: a code moved more than one level"
 
@@ -228,7 +232,7 @@ def test_pte_cache_is_packed_and_its_bytes_match_the_memory_report(exported):
         step(torch.tensor([[5]]), torch.tensor([0]))
     report = step.cache.memory_report()
     lengths = 8 * len(step.cache.layers)  # the int64 length counter per layer is not cache data
-    assert pte.cache_bytes - lengths + _codebook_bytes(step) == report.bytes
+    assert pte.cache_bytes - lengths + _codebook_bytes(step, fixed_ranges=True) == report.bytes
 
 
 def test_onnx_past_tensors_are_packed_and_match_the_memory_report(exported):
@@ -246,9 +250,17 @@ def test_onnx_past_tensors_are_packed_and_match_the_memory_report(exported):
     assert total - 8 * len(step.cache.layers) + _codebook_bytes(step) == step.cache.memory_report().bytes
 
 
-def _codebook_bytes(step) -> int:
-    """Codebooks are counted by the memory report but are program constants, not cache buffers."""
-    return sum(4 * (layer.k_body.codebook.numel() + layer.v_body.codebook.numel()) for layer in step.cache.layers)
+def _codebook_bytes(step, fixed_ranges: bool = False) -> int:
+    """Codebooks are counted by the memory report but are program constants, not cache buffers; so
+    are calibrated key ranges in a .pte (`fixed_ranges`: never written, ExecuTorch keeps them with
+    the constants, while ONNX passes them with the other cache tensors)."""
+    total = 0
+    for layer in step.cache.layers:
+        for body in (layer.k_body, layer.v_body):
+            total += 4 * body.codebook.numel()
+            if fixed_ranges and body.spec.calibrated_ranges:
+                total += sum(t.numel() * t.element_size() for t in (body.scale, body.zero))
+    return total
 
 
 def test_running_past_max_seq_len_or_a_too_long_prompt_is_a_clear_error(exported):

@@ -18,7 +18,7 @@ from kvq_ao.kernels import cpu, reference
 from kvq_ao.ops import reference_arguments
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from attention_cases import FORMATS, TOLERANCE, native_case, positional, reference_attention
+from attention_cases import FIXED, FORMATS, TOLERANCE, native_case, positional, reference_attention
 
 def check(named):
     native = torch.ops.kvq.decode_attention(**named)
@@ -66,6 +66,16 @@ def test_a_query_with_nothing_visible_gets_zeros():
     named = native_case(2, side="empty")
     named["mask"] = torch.zeros_like(named["mask"])
     assert torch.equal(torch.ops.kvq.decode_attention(**named), torch.zeros(2, 6, 1, 64))
+
+
+@pytest.mark.parametrize("codebook, outliers, pre_rope", [(True, 1, True), (False, 0, False), (False, 2, True)])
+def test_native_decode_attention_reads_calibrated_key_ranges(codebook, outliers, pre_rope):
+    """Keys with calibrated per-channel ranges: one scale/zero row read for every position (the
+    cache's layout for them), with and without outliers, codebook levels and pre-RoPE rotation."""
+    named = native_case(6, k_fmt=(3, AXIS_CHANNEL, FIXED, codebook, outliers), v_fmt=(3, AXIS_TOKEN, 64, False, 1),
+                        pre_rope=pre_rope)  # fmt: skip
+    assert named["k_scale"].shape[2] == 1 and named["k_group"] == named["k_codes"].shape[2]
+    check(named)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

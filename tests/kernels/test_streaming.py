@@ -49,7 +49,7 @@ def test_streaming_attention_matches_the_float64_reference(seed, tq, k_fmt, v_fm
 
 
 @pytest.mark.parametrize("tq", [1, 64, 512])
-@pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[2]])
+@pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[2], FORMATS[7]])  # FORMATS[7]: calibrated key ranges
 def test_chunks_up_to_512_queries_over_many_blocks(tq, fmt):
     named = streaming_case(3, tq, fmt, FORMATS[3], length=tq + 700, pre_rope=fmt[2], window=300 if tq == 64 else None)
     got = torch.ops.kvq.chunk_attention(**named)  # the op, as the model calls it

@@ -23,7 +23,7 @@ from kvq_ao.kernels import gpu, reference  # noqa: E402
 from kvq_ao.ops import ATTENTION_SCHEMA, reference_arguments  # noqa: E402
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN  # noqa: E402
 
-from attention_cases import FORMATS, STREAM_FORMATS, TOLERANCE, expected_streaming, native_case, positional, reference_attention  # noqa: E402
+from attention_cases import FIXED, FORMATS, STREAM_FORMATS, TOLERANCE, expected_streaming, native_case, positional, reference_attention  # noqa: E402
 from attention_cases import streaming_case  # noqa: E402
 from conftest import kvquant_config, tiny_llama  # noqa: E402
 
@@ -147,6 +147,14 @@ def test_triton_chunk_attention_matches_the_float64_reference(seed, tq, k_fmt, v
     named = streaming_case(seed, tq, k_fmt, v_fmt, hq=gqa[0], hkv=gqa[1], window=window, pad=pad, pre_rope=pre_rope,
                            softcap=softcap, per_query=per_query)  # fmt: skip
     check_chunk(named, dense)
+
+
+def test_triton_kernels_read_calibrated_key_ranges():
+    """Keys with calibrated per-channel ranges (one scale/zero row for every position, group = the
+    body's length) in decode and chunk attention."""
+    check(native_case(6, k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(3, AXIS_TOKEN, 64, False, 1), pre_rope=True))
+    check(native_case(7, k_fmt=(2, AXIS_CHANNEL, FIXED, False, 0), blocks=9))
+    check_chunk(streaming_case(8, 21, STREAM_FORMATS[7], STREAM_FORMATS[3], length=200, pre_rope=True, per_query=True))
 
 
 def test_a_chunk_over_many_blocks_with_a_per_head_mask_and_half_precision():

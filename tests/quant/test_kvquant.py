@@ -14,7 +14,7 @@ from kvq_ao.calibration import Calibration, calibrate, for_model, qnorm, weighte
 from kvq_ao.quant.codebook import dequantize_codebook, nf_codebook, quantize_codebook
 from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import rotate, unrotate
-from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, fixed_range
 
 from attention_cases import attend, attention_case
 from kvq_ao.ops import reference_arguments
@@ -180,6 +180,89 @@ def test_quantize_op_with_outliers_reproduces_outliers_and_counts_overflow(bits)
     assert int(clamped) >= 3  # the other three 50s (plus any random entry beyond 3 sigma)
 
 
+# ----------------------------------------------------------------------------- calibrated key ranges
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), bits=st.sampled_from([2, 3, 4, 8]), codebook=st.booleans(), slots=st.sampled_from([0, 1, 3]))
+def test_fixed_range_quantization_against_float64(seed, bits, codebook, slots):
+    """Each entry clamped into its channel's [lo, hi] lands on the level nearest to it in float64
+    (uniform steps: within half a step; codebook: the nearest level), the up to `slots` entries per
+    vector furthest outside their range come back exact, and the count of the others is reported."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 9, 64, generator=g) * 2
+    lo, hi = -1.5 - torch.rand(3, 64, generator=g), 1.0 + torch.rand(3, 64, generator=g)
+    cb = nf_codebook(bits) if codebook and bits <= 4 else torch.zeros(0)
+    zero, scale = fixed_range(lo, hi, 1 if cb.numel() else 2**bits - 1, torch.float16)
+    assert (zero.float() <= lo).all() and (zero.double() + scale.double() * (1 if cb.numel() else 2**bits - 1) >= hi.double()).all()
+    codes, out_val, out_idx, clamped = torch.ops.kvq.quantize_fixed(x, bits, zero, scale, cb, lo, hi, slots)
+    row = lambda m: m[None, :, None, :].expand(2, 3, 1, 64)  # noqa: E731  (the cache's one row per head)
+    y = torch.ops.kvq.dequantize(codes, row(scale), row(zero), cb, out_val, out_idx, bits, AXIS_CHANNEL, 9, torch.float64)
+    dense = torch.minimum(torch.maximum(x.double(), lo.double()[None, :, None]), hi.double()[None, :, None])
+    z, s = zero.double()[None, :, None], scale.double()[None, :, None]
+    levels = (cb.double() if cb.numel() else torch.arange(2**bits, dtype=torch.float64) / (2**bits - 1) * (2**bits - 1))
+    grid = z.unsqueeze(-1) + s.unsqueeze(-1) * levels  # [1, H, 1, D, L]: every value a code can stand for
+    nearest = (grid - dense.unsqueeze(-1)).abs().min(-1).values
+    outside = (x < lo[None, :, None]) | (x > hi[None, :, None])
+    exact = torch.zeros_like(outside)
+    for j in range(slots):
+        exact |= torch.arange(64) == out_idx[..., j : j + 1].long()
+    assert torch.equal(exact, exact & outside)  # only entries outside their range take a slot
+    assert torch.equal(y[exact], x.double()[exact])
+    err = (y - dense).abs()[~exact]
+    assert (err <= nearest[~exact] + 1e-6 * s.abs().max()).all()  # the nearest level, up to float32 rounding
+    assert int(clamped) == int((outside & ~exact).sum())
+
+
+def test_fixed_range_op_checks_its_arguments_and_fake_kernel():
+    x, lo, hi = torch.randn(1, 2, 4, 64), -torch.ones(2, 64), torch.ones(2, 64)
+    zero, scale = fixed_range(lo, hi, 7, torch.float16)
+    with pytest.raises(ValueError, match=r"fixed ranges need zero as \[heads, head_dim\]"):
+        torch.ops.kvq.quantize_fixed(x, 3, zero[:1], scale, torch.zeros(0), lo, hi, 0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        torch.ops.kvq.quantize_fixed(x, 5, zero, scale, torch.zeros(0), lo, hi, 0)
+    torch.library.opcheck(torch.ops.kvq.quantize_fixed.default, (x, 3, zero, scale, nf_codebook(3), lo, hi, 1))
+
+
+def test_calibrated_ranges_are_each_channels_thresholds_or_min_max_without_the_sink():
+    """Ranges come from the calibration activations past the sink tokens: the outlier quantiles with
+    outliers, each channel's min/max without (a sink token's extreme keys would set them otherwise)."""
+    from kvq_ao.calibration import channel_thresholds, collect
+
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+    acts = collect(model, ids, pre_rope=True, progress=False)
+    for outliers in (0.0, 0.02):
+        cfg = kvquant_config(bits=3, outliers=outliers, key_ranges="calibrated", sink=1)
+        calib = Calibration.load(cfg.calibration)
+        for i in range(2):
+            lo, hi = channel_thresholds(acts.keys[i][:, :, 1:], outliers)
+            torch.testing.assert_close(calib.layer(i)[0].lo, lo)
+            torch.testing.assert_close(calib.layer(i)[0].hi, hi)
+        if not outliers:  # each channel's extremes, moved outward by the thresholds' tiny margin
+            x, (lo, hi) = acts.keys[1][:, :, 1:], (calib.layer(1)[0].lo, calib.layer(1)[0].hi)
+            assert torch.allclose(lo, x.amin((0, 2)), atol=1e-3) and torch.allclose(hi, x.amax((0, 2)), atol=1e-3)
+            assert (lo < x.amin((0, 2))).all() and (hi > x.amax((0, 2))).all()
+
+
+def test_calibrated_key_ranges_hold_no_block_in_float_keep_their_ranges_on_reset_and_count_their_bytes():
+    model = tiny_llama()
+    cfg = kvquant_config(bits=3, outliers=0.02, key_ranges="calibrated")
+    quantize_kv_(model, cfg)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(2))
+    cache = make_cache(model)
+    with torch.no_grad():
+        first = model(ids, cache=cache).logits
+    layer = cache.layers[0]
+    assert layer.ring == cfg.residual_length + 1 and int(layer.body_end) == 100  # every token already coded
+    assert layer.k_body.scale.shape[2] == 1 and layer.k_body.op_format()[2] == layer.k_body.codes.shape[2]
+    assert cache.memory_report().bytes == cache.tensor_bytes()
+    ranges = layer.k_body.scale.clone(), layer.k_body.zero.clone()
+    cache.reset()
+    assert torch.equal(layer.k_body.scale, ranges[0]) and torch.equal(layer.k_body.zero, ranges[1])
+    assert not layer.k_body.codes.any()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, cache=cache).logits, first, rtol=0, atol=0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 5), heads=st.integers(1, 3), tokens=st.integers(1, 9),
        shape=st.sampled_from([(8, 4), (8, 8), (64, 32), (64, 16)]), spread=st.floats(0.5, 30.0))  # fmt: skip
@@ -296,11 +379,12 @@ def test_a_config_that_needs_calibration_says_so():
 
 
 # ----------------------------------------------------------------------------- through the cache
-@pytest.mark.parametrize("dtype, outliers, rule", [("nuq", 0.02, "channel"), ("nuq", 0.02, "vector"), ("nf", 0.0, "channel"),
-                                                  ("int", 0.02, "channel")])  # fmt: skip
-def test_static_one_token_path_equals_dynamic_path_with_kvquant_datatypes(dtype, outliers, rule):
+@pytest.mark.parametrize("dtype, outliers, rule, ranges", [("nuq", 0.02, "channel", "online"), ("nuq", 0.02, "vector", "online"),
+                                                          ("nf", 0.0, "channel", "online"), ("int", 0.02, "channel", "online"),
+                                                          ("nuq", 0.02, "vector", "calibrated"), ("int", 0.0, "channel", "calibrated")])  # fmt: skip
+def test_static_one_token_path_equals_dynamic_path_with_kvquant_datatypes(dtype, outliers, rule, ranges):
     model = tiny_llama()
-    cfg = kvquant_config(bits=3, outliers=outliers, dtype=dtype, value_outlier_rule=rule)
+    cfg = kvquant_config(bits=3, outliers=outliers, dtype=dtype, value_outlier_rule=rule, key_ranges=ranges)
     quantize_kv_(model, cfg)
     ids = torch.randint(0, 128, (1, 120))
     dyn, static = make_cache(model), make_cache(model, max_cache_len=128)
