@@ -400,7 +400,7 @@ def calibrate(model, texts, config: KVQuantConfig, *, tokenizer=None, samples: i
 def _check_sample_len(config: KVQuantConfig, n_layers: int, seq_len: int) -> None:
     for spec in config.resolve(n_layers):
         for s in (spec.key, spec.value):
-            if s.needs_calibration and s.axis == "channel" and seq_len % s.group_size:
+            if s.needs_calibration and s.token_block > 1 and seq_len % s.group_size:
                 raise ValueError(f"calibration samples of {seq_len} tokens are not whole blocks of {s.group_size}")
 
 

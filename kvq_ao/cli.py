@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -127,6 +128,7 @@ def cmd_tune(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kvq_ao.calibration import Calibration
     from kvq_ao.models import pydoc_text, text_windows
     from kvq_ao.tuning.profile import base_config
     from kvq_ao.tuning.tuner import default_profile_path, summary_rows, tune, write_front
@@ -138,7 +140,11 @@ def cmd_tune(args) -> int:
     result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
                   trials=args.trials, log=_log)  # fmt: skip
     out = Path(args.out)
-    result.config.save(out)
+    config = result.config
+    if config.calibration:  # the calibration assembled for it, kept beside the config
+        calib_path = Calibration.load(config.calibration).save(out.with_suffix(".calibration.json"))
+        config = dataclasses.replace(config, calibration=str(calib_path))
+    config.save(out)
     write_front(result, out.with_suffix(".pareto.csv"), out.with_suffix(".pareto.png"))
     console = Console(width=max(Console().width, 120))
     table = Table(title=f"{result.config.name}: {result.chosen.avg_bits:.2f} average bits, calibration KL {result.chosen.loss:.4g} "
@@ -303,8 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--residual", type=int, default=128, help="full-precision window shared by all layers (KIVI's)")
     p.add_argument("--group", type=int, default=32, help="quantization group size")
-    p.add_argument("--dtype", choices=["int", "nf"], default="int",
-                   help="datatype of the 2- and 4-bit candidates (nf: KVQuant's NormalFloat levels; 8-bit ones stay int)")
+    p.add_argument("--dtype", choices=["int", "nf", "kvquant"], default="int",
+                   help="datatype of the 2- and 4-bit candidates (nf: KVQuant's NormalFloat levels; 8-bit ones stay int); "
+                        "kvquant: the kvquant-B-1pct presets' datatypes and layout at every width (calibrated levels, "
+                        "key ranges and outliers; each width calibrated once; --residual/--group/--pre-rope unused)")
     p.add_argument("--pre-rope", action="store_true", help="store keys before RoPE (KVQuant), rotated inside attention")
     p.add_argument("--profile", default=None, help="layer profile cache (.json); default: the user cache")
     p.set_defaults(func=cmd_tune)

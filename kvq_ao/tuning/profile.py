@@ -10,6 +10,7 @@ A profile is saved as JSON with the model's identity and the base config, and re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +26,22 @@ from kvq_ao.tuning.pareto import CANDIDATES, Pair, check_pair
 PROFILE_VERSION = 1
 
 
+TUNE_DTYPES = ("int", "nf", "kvquant")
+
+
 def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: int = 32, dtype: str = "int",
                 pre_rope_keys: bool = False) -> KVQuantConfig:  # fmt: skip
     """What every tuned layer shares: KIVI's axes and window (the uniform presets' layout), and the
-    datatype of the 2- and 4-bit candidates ("int", or KVQuant's fixed NormalFloat levels "nf")."""
+    datatype of the 2- and 4-bit candidates ("int", or KVQuant's fixed NormalFloat levels "nf").
+
+    dtype "kvquant" tunes over KVQuant's datatypes instead: the layout of the kvquant-B-1pct presets
+    (calibrated nuq levels, calibrated key ranges, 1% outliers in float16, pre-RoPE keys, their sink
+    and window, which replace the arguments), each width calibrated once (`WidthCalibrations`)."""
+    if dtype not in TUNE_DTYPES:
+        raise ValueError(f"dtype must be one of {TUNE_DTYPES}, got {dtype!r}")
+    if dtype == "kvquant":
+        preset = KVQuantConfig.preset("kvquant-4-1pct")
+        return dataclasses.replace(preset, name="tune-base-kvquant", calibration=None)
     bits = 8 if dtype == "int" else 4  # never used (each layer gets its pair); codebooks stop at 4 bits
     return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens, pre_rope_keys=pre_rope_keys,
                          default=LayerKV(QuantSpec(bits, "channel", group_size, dtype), QuantSpec(bits, "token", group_size, dtype)),
@@ -38,17 +51,13 @@ def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: in
 def _spec(bits: int, like: QuantSpec) -> QuantSpec:
     # Codebook levels exist for 2-4 bits; at 8 bits uniform int is already near lossless (K8V8 KL
     # 6e-5 on SmolLM2), so 8-bit candidates are int whatever the base datatype: a stated rule.
-    return QuantSpec(bits, like.axis, like.group_size, like.dtype if bits in CODEBOOK_BITS else "int")
+    # Everything else (axis, groups, outliers, calibrated ranges) is the base's.
+    return dataclasses.replace(like, bits=bits, dtype=like.dtype if bits in CODEBOOK_BITS else "int")
 
 
 def layer_spec(pair: Pair, base: KVQuantConfig) -> LayerKV:
     check_pair(pair)
-    k, v = base.default.key, base.default.value
-    for s in (k, v):
-        if s.needs_calibration:
-            raise ValueError(f"tuning over calibrated datatypes ({s.label()}: nuq levels or outliers) is not supported: "
-                             "every bit width would need its own calibration; use dtype 'int' or 'nf' in the base")  # fmt: skip
-    return LayerKV(_spec(pair[0], k), _spec(pair[1], v))
+    return LayerKV(_spec(pair[0], base.default.key), _spec(pair[1], base.default.value))
 
 
 def assignment_config(pairs: list[Pair], base: KVQuantConfig, name: str = "tuned") -> KVQuantConfig:
@@ -149,8 +158,9 @@ def kl_to(logp_fp: torch.Tensor, logp_q: torch.Tensor) -> float:
 
 
 def profile(model, ids: torch.Tensor, base: KVQuantConfig | None = None, candidates: list[Pair] = list(CANDIDATES),
-            progress: bool = True) -> LayerProfile:  # fmt: skip
-    """Profile every layer x candidate pair on ids [S, T] (see the module docstring)."""
+            progress: bool = True, attach=lambda config: config) -> LayerProfile:  # fmt: skip
+    """Profile every layer x candidate pair on ids [S, T] (see the module docstring). `attach` gives a
+    config its calibration (`WidthCalibrations.attach`) when the base's datatypes need one."""
     from kvq_ao.model_info import model_dims
 
     base = base or base_config()
@@ -175,7 +185,7 @@ def profile(model, ids: torch.Tensor, base: KVQuantConfig | None = None, candida
             got: dict[int, list[torch.Tensor]] = {}
             handles = _attention_outputs(model, got)
             try:
-                logp = run_with(model, ids, base.with_layers(layers, name=f"profile-L{layer}-K{pair[0]}V{pair[1]}"))
+                logp = run_with(model, ids, attach(base.with_layers(layers, name=f"profile-L{layer}-K{pair[0]}V{pair[1]}")))
             finally:
                 for h in handles:
                     h.remove()
@@ -188,4 +198,4 @@ def profile(model, ids: torch.Tensor, base: KVQuantConfig | None = None, candida
                         tokens=int(ids.numel()))  # fmt: skip
 
 
-__all__ = ["LayerProfile", "assignment_config", "base_config", "kl_to", "layer_spec", "profile", "run_with"]
+__all__ = ["TUNE_DTYPES", "LayerProfile", "assignment_config", "base_config", "kl_to", "layer_spec", "profile", "run_with"]

@@ -12,6 +12,7 @@ assignment's predicted and measured KL are both reported. Average bits are nomin
 from __future__ import annotations
 
 import csv
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ import torch
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.tuning.cluster import cluster_layers, group_candidates
 from kvq_ao.tuning.pareto import CANDIDATES, Pair, pair_bits, prune
-from kvq_ao.tuning.profile import LayerProfile, assignment_config, base_config, kl_to, profile, run_with
+from kvq_ao.tuning.calibrated import WidthCalibrations
+from kvq_ao.tuning.profile import LayerProfile, assignment_config, base_config, kl_to, layer_spec, profile, run_with
 from kvq_ao.tuning.search import SearchResult, predicted_front, search
 
 # Layer profiles kvq_ao ships (package data), named as `default_profile_path` names them in the
@@ -37,6 +39,8 @@ def default_profile_path(model, base: KVQuantConfig, ids: torch.Tensor) -> Path:
 
     key = base.default.key
     variant = ("" if key.dtype == "int" else f"-{key.dtype}") + ("-prerope" if base.pre_rope_keys else "")
+    if base.needs_calibration:  # the whole layout (outliers, ranges, sink...) decides what gets profiled
+        variant += "-" + hashlib.sha256(base.to_json_key().encode()).hexdigest()[:8]
     name = f"{model_key(model)}-r{base.residual_length}-g{key.group_size}{variant}-{ids.shape[0]}x{ids.shape[1]}.json"
     path = cache_dir() / "tune" / name
     if not path.exists() and (SHIPPED_PROFILES / name).exists():
@@ -69,8 +73,15 @@ def per_layer(assignment: tuple[Pair, ...], groups: list[int]) -> list[Pair]:
 
 def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base: KVQuantConfig | None = None,
          profile_path: str | Path | None = None, trials: int = 96, seed: int = 0, progress: bool = True,
-         log=print) -> TuneResult:  # fmt: skip
+         log=print, calibration_ids: torch.Tensor | None = None, calibration_folder: Path | None = None) -> TuneResult:  # fmt: skip
+    """KVTuner on `model` over ids [S, T] under `max_avg_bits` (see the module docstring). A base of
+    calibrated datatypes (`base_config(dtype="kvquant")`) is calibrated once per width, on pydoc's
+    calibration text into the user cache, or on `calibration_ids` into `calibration_folder`."""
     base = base or base_config()
+    attach = lambda config: config  # noqa: E731  (configs of calibrated datatypes get their calibration)
+    if any(layer_spec(p, base).key.needs_calibration or layer_spec(p, base).value.needs_calibration for p in CANDIDATES):
+        log("calibrating each bit width of the base once (user cache)")
+        attach = WidthCalibrations(model, base, layer_spec, calibration_ids=calibration_ids, folder=calibration_folder).attach
     t0 = time.perf_counter()
     prof = None
     if profile_path is not None and Path(profile_path).exists():
@@ -80,7 +91,7 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
             raise ValueError(f"{profile_path}: profiled with another base config; delete it or pass another path")
         log(f"reusing the layer profile {profile_path}")
     if prof is None:
-        prof = profile(model, ids, base, progress=progress)
+        prof = profile(model, ids, base, progress=progress, attach=attach)
         if profile_path is not None:
             prof.save(profile_path)
     profile_s = time.perf_counter() - t0
@@ -96,7 +107,7 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
     seeds = within[::-1][: max(4, trials // 6)]  # the predicted best, nearest the budget first
 
     def loss(assignment: tuple[Pair, ...]) -> float:
-        cfg = assignment_config(per_layer(assignment, groups), base)
+        cfg = attach(assignment_config(per_layer(assignment, groups), base))
         return kl_to(logp_fp, run_with(model, ids, cfg))
 
     log(f"searching {len(cands)} layer groups under {max_avg_bits:g} average bits (each step measures an assignment's KL "
@@ -105,9 +116,9 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
     chosen = min(front, key=lambda r: r.loss)
     n = len(groups)
     log(f"measuring the {len(CANDIDATES)} uniform assignments for comparison")
-    uniform = [(p, kl_to(logp_fp, run_with(model, ids, assignment_config([p] * n, base)))) for p in CANDIDATES]
+    uniform = [(p, kl_to(logp_fp, run_with(model, ids, attach(assignment_config([p] * n, base))))) for p in CANDIDATES]
     search_s = time.perf_counter() - t0
-    config = assignment_config(per_layer(chosen.assignment, groups), base, name=f"tuned-{max_avg_bits:g}bit")
+    config = attach(assignment_config(per_layer(chosen.assignment, groups), base, name=f"tuned-{max_avg_bits:g}bit"))
     return TuneResult(prof, groups, cands, front, chosen, config, uniform, profile_s, search_s)
 
 

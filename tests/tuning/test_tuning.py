@@ -187,6 +187,39 @@ def test_tune_over_kvquant_datatypes_nf_levels_and_pre_rope_keys(tmp_path):
     quantize_kv_(model, cfg)
     with torch.no_grad():
         model(ids, cache=make_cache(model, cfg))
-    calibrated = dataclasses.replace(base, default=LayerKV(QuantSpec(4, "channel", 16, "nuq"), QuantSpec(4, "token", 16)))
-    with pytest.raises(ValueError, match="calibrated datatypes"):
-        layer_spec((2, 2), calibrated)
+
+
+def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_path):
+    """`base_config(dtype="kvquant")`: the kvquant preset layout (nuq levels, calibrated key ranges,
+    outliers) at every width. Each width is calibrated once; the tuned config's calibration, assembled
+    layer by layer from them, is what calibrating the mixed config itself fits."""
+    import torch
+
+    from conftest import tiny_llama
+    from kvq_ao import make_cache, quantize_kv_
+    from kvq_ao.calibration import Calibration, calibrate
+    from kvq_ao.tuning.profile import base_config, layer_spec
+    from kvq_ao.tuning.tuner import tune
+
+    base = dataclasses.replace(base_config(dtype="kvquant"), residual_length=8, sink_tokens=1)  # tiny inputs: a short window
+    spec = layer_spec((2, 8), base)
+    key, value = spec.key, spec.value
+    assert (key.bits, key.dtype, value.bits, value.dtype) == (2, "nuq", 8, "int")
+    assert key.outliers == value.outliers == 0.01 and key.calibrated_ranges and base.pre_rope_keys
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
+    calib_ids = torch.randint(3, 128, (3, 64), generator=torch.Generator().manual_seed(2))
+    result = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, progress=False, log=lambda _m: None,
+                  calibration_ids=calib_ids, calibration_folder=tmp_path)  # fmt: skip
+    cfg = result.config
+    assert result.chosen.avg_bits <= 3.0 and {s.bits for layer in cfg.layers for s in (layer.key, layer.value)} > {2}
+    assert sorted(p.name for p in tmp_path.glob("*bit.json")) == [f"{base.name}-{w}bit.json" for w in (2, 4, 8)]
+    assembled = Calibration.load(cfg.calibration)
+    direct = calibrate(model, calib_ids, cfg, progress=False)
+    assert assembled.tensors.keys() == direct.tensors.keys() and direct.tensors
+    for name, t in direct.tensors.items():  # up to float rounding: tuning left the model's attention on kvq_ao's path
+        torch.testing.assert_close(assembled.tensors[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    assert (result.profile.kl[:, result.profile.column((2, 2))] > result.profile.kl[:, result.profile.column((4, 4))]).all()
+    quantize_kv_(model, cfg)
+    with torch.no_grad():
+        model(ids, cache=make_cache(model, cfg))
