@@ -7,7 +7,7 @@ file as they finish, so the table can be filled by several invocations. Presets 
 made here on first use); each ablation changes one thing of `kvquant-B-1pct` and is calibrated
 for itself. Prints a markdown table and writes results/kvquant.json.
 
-    python benchmarks/kvquant_quality.py [--bits 3,2] [--presets a,b] [--skip-ablations]
+    python benchmarks/kvquant_quality.py [--bits 3,2] [--presets a,b,config.json] [--skip-ablations]
     python benchmarks/kvquant_quality.py --presets kvquant-3-1pct --sink 1 --residual 0 --skip-ablations
 
 `--sink S` / `--residual N` evaluate the presets with another layout (S sink tokens, an N-token
@@ -100,7 +100,11 @@ def main() -> None:
         return acts[pre_rope]
 
     for name in [p for p in args.presets.split(",") if p]:
-        config = KVQuantConfig.preset(name)  # calibrates on first use (user cache)
+        if name.endswith(".json"):  # a config file (e.g. benchmarks/configs/, or `kvq tune`'s output)
+            config = KVQuantConfig.load(name)
+            name = config.name
+        else:
+            config = KVQuantConfig.preset(name)  # calibrates on first use (user cache)
         if args.residual is not None or args.sink is not None:
             sink = config.sink_tokens if args.sink is None else args.sink
             window = config.residual_length if args.residual is None else args.residual

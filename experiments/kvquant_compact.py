@@ -5,13 +5,15 @@ Every candidate stores keys KVQuant's way: calibrated per-channel ranges (`Quant
 calibrated nuq levels, 1% outliers; outlier values in float16 (24 bits a slot with the index:
 kvquant_outlier_dtype.py measured that this costs a float32 SmolLM2 nothing); one sink token.
 What varies: the value groups (one scale/zero per vector, group 64 = head_dim, or per 32
-channels), the full-precision window (0, 32 or 64 tokens) and, at 4 bits, the key outlier slots
-(1 or 2). Only candidates within the issue's budget at 4096 tokens are run (bits per element from
+channels), the full-precision window (0 to 128 tokens), the dtype of that window (the model's, or
+float16: `KVQuantConfig.side_dtype`), value outliers (1% or none) and, at 4 bits, the key outlier
+slots (1 or 2). Only candidates within the issue's budget at 4096 tokens are run (bits per element from
 the memory report: 4 bits <= 5.3, 3 bits <= 4.0, 2 bits <= 3.0). Each is calibrated for itself
 on the shared calibration activations and evaluated on the development text of `dev_text.py`
 (never the evaluation text).
 
-Rule, fixed before running (2026-12-02 23:55 UTC): per width, the candidate with the lowest
+Rule, fixed before running (2026-12-02 23:55 UTC; kept for round 2, 2026-12-03 00:10 UTC, which
+adds candidates with a float16 side store, see CANDIDATES): per width, the candidate with the lowest
 development PPL; among those within 0.1 point of it (float rounding alone moves a preset's
 development PPL that much), the one with the fewest bits per element. Writes
 results/kvquant_compact.json and prints a table.
@@ -31,19 +33,27 @@ from kvq_ao.memory import estimate
 
 BUDGET = {4: 5.3, 3: 4.0, 2: 3.0}  # bits per element at 4096 tokens
 MARGIN = 0.001  # 0.1 point of PPL loss
-# (value group, window, key slots) per width; None slots: ceil(1% x head_dim) = 1
+# (value group, window, key slots, side store dtype, value outliers) per width; None slots: ceil(1% x 64) = 1.
+# Round 1 kept the side store in the model's dtype (float32); round 2, added after round 1 showed the window
+# decides most of the loss (3 bits: window 0 +10.3%, 32 +2.9%), holds it in float16 so twice the window fits.
 CANDIDATES = {
-    4: [(64, 0, 2), (64, 32, 2), (64, 64, None), (32, 32, None)],
-    3: [(64, 0, None), (64, 32, None), (32, 0, None)],
-    2: [(64, 0, None), (64, 32, None), (32, 0, None)],
+    4: [(64, 0, 2, "model", True), (64, 32, 2, "model", True), (64, 64, None, "model", True), (32, 32, None, "model", True),
+        (64, 128, None, "float16", True), (64, 96, 2, "float16", True), (64, 64, 2, "float16", True)],
+    3: [(64, 0, None, "model", True), (64, 32, None, "model", True), (32, 0, None, "model", True),
+        (64, 80, None, "float16", True), (64, 64, None, "float16", True), (64, 128, None, "float16", False)],
+    2: [(64, 0, None, "model", True), (64, 32, None, "model", True), (32, 0, None, "model", True),
+        (64, 80, None, "float16", True), (64, 64, None, "float16", True), (64, 128, None, "float16", False)],
 }
 
 
-def compact(bits: int, value_group: int, window: int, key_slots: int | None) -> KVQuantConfig:
+def compact(bits: int, value_group: int, window: int, key_slots: int | None, side: str = "model",
+            value_outliers: bool = True) -> KVQuantConfig:  # fmt: skip
     key = QuantSpec(bits, "channel", 128, "nuq", 0.01, max_outliers=key_slots, outlier_dtype="float16", ranges="calibrated")
-    value = QuantSpec(bits, "token", value_group, "nuq", 0.01, VALUE_OUTLIER_RULE[bits], outlier_dtype="float16")
+    value = (QuantSpec(bits, "token", value_group, "nuq", 0.01, VALUE_OUTLIER_RULE[bits], outlier_dtype="float16")
+             if value_outliers else QuantSpec(bits, "token", value_group, "nuq"))  # fmt: skip
+    name = f"kvquant-{bits} cal v{value_group} w{window} k{key_slots or 1}" + ("" if side == "model" else f" side {side}")
     return KVQuantConfig(default=LayerKV(key, value), sink_tokens=1, residual_length=window, pre_rope_keys=True,
-                         name=f"kvquant-{bits} cal v{value_group} w{window} k{key_slots or 1}")  # fmt: skip
+                         side_dtype=side, name=name + ("" if value_outliers else " no value outliers"))  # fmt: skip
 
 
 def choose(rows: list[dict]) -> dict:
@@ -60,22 +70,25 @@ def main() -> None:
     args = parser.parse_args()
     widths = [int(b) for b in args.bits.split(",")]
     model, dev, acts = dev_setup(args.threads, args.windows)
-    old = json.loads(Path(args.out).read_text())["rows"] if Path(args.out).exists() else []
-    rows = [r for r in old if r["bits"] not in widths]  # widths can be re-run one at a time
+    rows = json.loads(Path(args.out).read_text())["rows"] if Path(args.out).exists() else []  # resumed: rows kept
     folder = Path("/tmp/kvq-compact")
     for bits in widths:
-        for value_group, window, slots in CANDIDATES[bits]:
-            cfg = compact(bits, value_group, window, slots)
+        for value_group, window, slots, side, value_outliers in CANDIDATES[bits]:
+            cfg = compact(bits, value_group, window, slots, side, value_outliers)
             budget = estimate(cfg, 30, 3, 64, 4096).bits_per_element
             if budget > BUDGET[bits]:
                 raise SystemExit(f"{cfg.name}: {budget:.2f} bits per element, over the {BUDGET[bits]} budget")
-            rows.append(calibrated_dev_row(model, dev, acts, cfg, folder / f"compact-{bits}-v{value_group}-w{window}-k{slots or 1}.json",
-                                           bits=bits, value_group=value_group, fp_window=window, key_slots=slots or 1))  # fmt: skip
+            if any(r["config"] == cfg.name for r in rows):
+                continue
+            rows.append(calibrated_dev_row(model, dev, acts, cfg, folder / f"{cfg.name.replace(' ', '-')}.json", bits=bits,
+                                           value_group=value_group, fp_window=window, key_slots=slots or 1, side_dtype=side,
+                                           value_outliers=value_outliers))  # fmt: skip
             save_dev_rows(args.out, rows)
     chosen = {b: choose([r for r in rows if r["bits"] == b]) for b in sorted({r["bits"] for r in rows}, reverse=True)}
     print_dev_table("development text: compact kvquant layouts (calibrated key ranges, float16 outliers)", rows,
                     {"bits": lambda r: str(r["bits"]), "value group": lambda r: str(r["value_group"]),
-                     "window": lambda r: str(r["fp_window"]), "key slots": lambda r: str(r["key_slots"])},
+                     "window": lambda r: str(r["fp_window"]), "key slots": lambda r: str(r["key_slots"]),
+                     "side": lambda r: r.get("side_dtype", "model"), "value outliers": lambda r: "no" if r.get("value_outliers") is False else "1%"},
                     {"bits/elem @4096": lambda r: f"{r['avg_bits_at_4096']:.2f}",
                      "chosen": lambda r: "yes" if chosen[r["bits"]] is r else ""})  # fmt: skip
 

@@ -209,9 +209,11 @@ class QuantizedLayer(CacheLayerMixin):
     def __init__(self, spec: LayerKV, sink_tokens: int = 0, residual_length: int = 0,
                  scale_dtype: str = "float16", max_cache_len: int | None = None,
                  calibration: tuple[TensorCalibration | None, TensorCalibration | None] = (None, None),
-                 rope: tuple[torch.Tensor, float] | None = None, reserve: int | None = None):  # fmt: skip
+                 rope: tuple[torch.Tensor, float] | None = None, reserve: int | None = None,
+                 side_dtype: str = "model"):  # fmt: skip
         super().__init__()
         self.spec = spec
+        self.side_dtype_name = side_dtype
         self.calibration = calibration
         # pre-RoPE keys: (inv_freq, attention_scaling) of the model's rotary embedding
         self.rope_inv_freq = rope[0].float() if rope is not None else torch.zeros(0)
@@ -248,8 +250,9 @@ class QuantizedLayer(CacheLayerMixin):
         self.k_body = _BodyStore(self.spec.key, (b, h), d, self.capacity, self.dtype, self.scale_dtype, self.device, kc)
         self.v_body = _BodyStore(self.spec.value, (b, h), dv, self.capacity, self.dtype, self.scale_dtype, self.device, vc)
         n_side = self.sink + self.ring
-        self.side_k = torch.zeros(b, h, n_side, d, dtype=self.dtype, device=self.device)
-        self.side_v = torch.zeros(b, h, n_side, dv, dtype=self.dtype, device=self.device)
+        side_dtype = self.dtype if self.side_dtype_name == "model" else getattr(torch, self.side_dtype_name)
+        self.side_k = torch.zeros(b, h, n_side, d, dtype=side_dtype, device=self.device)
+        self.side_v = torch.zeros(b, h, n_side, dv, dtype=side_dtype, device=self.device)
         self.side_pos = torch.full((n_side,), -1, dtype=torch.int64, device=self.device)
         self.body_end = torch.zeros((), dtype=torch.int64, device=self.device)
         self.is_initialized = True
@@ -286,6 +289,9 @@ class QuantizedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.rope_inv_freq.numel():
             key_states = self._unrotate(key_states)
+        if self.side_k.dtype != key_states.dtype:  # what a side store of its dtype would give back, on every path
+            key_states = key_states.to(self.side_k.dtype).to(key_states.dtype)
+            value_states = value_states.to(self.side_v.dtype).to(value_states.dtype)
         if key_states.shape[2] == 1 and isinstance(self.cumulative_length, torch.Tensor):
             self._append_one_static(key_states, value_states)
             return self.keys_values()
@@ -303,7 +309,8 @@ class QuantizedLayer(CacheLayerMixin):
         positions = torch.cat([torch.arange(min(self.sink, length)), torch.arange(start, length)])
         positions = positions.to(self.device)
         slots = self._slot(positions)
-        return self.side_k.index_select(2, slots), self.side_v.index_select(2, slots), positions
+        return (self.side_k.index_select(2, slots).to(self.dtype), self.side_v.index_select(2, slots).to(self.dtype),
+                positions)  # fmt: skip
 
     def _chunk_views(self, held, k: torch.Tensor, v: torch.Tensor, old: int) -> tuple[QuantizedKV, QuantizedKV]:
         """The views a chunk of queries at positions [old, old + n) attends: each query reads the
@@ -355,8 +362,8 @@ class QuantizedLayer(CacheLayerMixin):
         if b_new > b_old:
             held = torch.arange(b_old, old, device=self.device)
             slots = self._slot(held)
-            xk = torch.cat([self.side_k.index_select(2, slots), k], dim=2)[:, :, : b_new - b_old]
-            xv = torch.cat([self.side_v.index_select(2, slots), v], dim=2)[:, :, : b_new - b_old]
+            xk = torch.cat([self.side_k.index_select(2, slots).to(k.dtype), k], dim=2)[:, :, : b_new - b_old]
+            xv = torch.cat([self.side_v.index_select(2, slots).to(v.dtype), v], dim=2)[:, :, : b_new - b_old]
             if self.spec.key.token_block > 1:
                 xk = self._without_sink(xk, b_old)
             if self.spec.value.token_block > 1:
@@ -367,8 +374,8 @@ class QuantizedLayer(CacheLayerMixin):
         keep = (positions < self.sink) | (positions >= b_new)
         kept = positions[keep]
         slots = self._slot(kept)
-        self.side_k.index_copy_(2, slots, k[:, :, keep])
-        self.side_v.index_copy_(2, slots, v[:, :, keep])
+        self.side_k.index_copy_(2, slots, k[:, :, keep].to(self.side_k.dtype))
+        self.side_v.index_copy_(2, slots, v[:, :, keep].to(self.side_v.dtype))
         self.side_pos.index_copy_(0, slots, kept)
         self.body_end.fill_(b_new)
         if isinstance(self.cumulative_length, torch.Tensor):
@@ -392,8 +399,8 @@ class QuantizedLayer(CacheLayerMixin):
                 )
         pos = self.cumulative_length.reshape(1)
         slot = self._slot(pos)
-        self.side_k.index_copy_(2, slot, k)
-        self.side_v.index_copy_(2, slot, v)
+        self.side_k.index_copy_(2, slot, k.to(self.side_k.dtype))
+        self.side_v.index_copy_(2, slot, v.to(self.side_v.dtype))
         self.side_pos.index_copy_(0, slot, pos)
         length = pos + 1
         behind = length - self.residual
@@ -403,8 +410,8 @@ class QuantizedLayer(CacheLayerMixin):
         start = torch.clamp(behind - self.block, min=0)
         block_pos = start + torch.arange(self.block, device=self.device)
         block_slots = self._slot(block_pos)
-        xk = self.side_k.index_select(2, block_slots)
-        xv = self.side_v.index_select(2, block_slots)
+        xk = self.side_k.index_select(2, block_slots).to(k.dtype)
+        xv = self.side_v.index_select(2, block_slots).to(v.dtype)
         if self.spec.key.token_block > 1:
             xk = self._without_sink(xk, start)
         if self.spec.value.token_block > 1:
@@ -538,7 +545,7 @@ class QuantizedKVCache(Cache):
         if calibration is not None:
             calibration.check(config, num_layers)
         common = dict(sink_tokens=config.sink_tokens, residual_length=config.residual_length, scale_dtype=config.scale_dtype,
-                      rope=rope if config.pre_rope_keys else None)  # fmt: skip
+                      rope=rope if config.pre_rope_keys else None, side_dtype=config.side_dtype)  # fmt: skip
 
         def layer_calib(i: int):
             return calibration.layer(i) if calibration is not None else (None, None)

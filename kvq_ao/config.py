@@ -25,6 +25,7 @@ from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
 AXES = {"token": AXIS_TOKEN, "channel": AXIS_CHANNEL}
 SCALE_DTYPES = ("float16", "float32")
+SIDE_DTYPES = ("model", "float16", "bfloat16")  # what the full-precision side store holds
 # "int": uniform integer grid; "nf": fixed NormalFloat levels; "nuq": per-layer calibrated levels.
 DATATYPES = ("int", "nf", "nuq")
 # How outliers are judged: "channel" by calibrated per-channel thresholds (KVQuant's keys),
@@ -242,6 +243,9 @@ class KVQuantConfig(AOBaseConfig):
         after dequantization (KVQuant). The cache un-rotates the model's keys itself.
     calibration: path of a calibration artifact (`kvq calibrate`) for configs with "nuq"
         datatypes or outliers; "auto" finds (or makes) the model's artifact in the user cache.
+    side_dtype: what the full-precision side store (sink and window) holds: "model" (the model's
+        dtype) or "float16" / "bfloat16" (half the bytes in a float32 model, as the papers' fp16
+        windows; the cache then sees every incoming key and value rounded to it, on every path).
     """
 
     default: LayerKV = field(default_factory=LayerKV)
@@ -251,6 +255,7 @@ class KVQuantConfig(AOBaseConfig):
     scale_dtype: str = "float16"
     pre_rope_keys: bool = False
     calibration: str | None = None
+    side_dtype: str = "model"
     name: str = "custom"
     version: int = CONFIG_VERSION
 
@@ -269,6 +274,8 @@ class KVQuantConfig(AOBaseConfig):
             raise ValueError(f"pre_rope_keys must be true or false, got {self.pre_rope_keys!r}")
         if self.calibration is not None and not isinstance(self.calibration, str):
             raise ValueError(f"calibration must be a path, 'auto' or null, got {self.calibration!r}")
+        if self.side_dtype not in SIDE_DTYPES:
+            raise ValueError(f"side_dtype must be one of {SIDE_DTYPES}, got {self.side_dtype!r}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.version != CONFIG_VERSION:
@@ -321,6 +328,7 @@ class KVQuantConfig(AOBaseConfig):
             "scale_dtype": self.scale_dtype,
             "pre_rope_keys": self.pre_rope_keys,
             "calibration": self.calibration,
+            **({"side_dtype": self.side_dtype} if self.side_dtype != "model" else {}),
             "default": self.default.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
         }
@@ -330,7 +338,7 @@ class KVQuantConfig(AOBaseConfig):
         if not isinstance(d, dict) or "kvq_ao_config" not in d:
             raise ValueError("not a kvq_ao config: expected a JSON object with a 'kvq_ao_config' version field")
         _check_keys(d, {"kvq_ao_config", "name", "sink_tokens", "residual_length", "scale_dtype", "default", "layers",
-                        "pre_rope_keys", "calibration"}, "config")  # fmt: skip
+                        "pre_rope_keys", "calibration", "side_dtype"}, "config")  # fmt: skip
         layers = d.get("layers", [])
         if not isinstance(layers, list):
             raise ValueError(f"config 'layers' must be a list, got {type(layers).__name__}")
@@ -342,6 +350,7 @@ class KVQuantConfig(AOBaseConfig):
             scale_dtype=d.get("scale_dtype", "float16"),
             pre_rope_keys=d.get("pre_rope_keys", False),
             calibration=d.get("calibration", None),
+            side_dtype=d.get("side_dtype", "model"),
             name=d.get("name", "custom"),
             version=d["kvq_ao_config"],
         )

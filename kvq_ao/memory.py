@@ -34,15 +34,16 @@ def body_bytes(spec: QuantSpec, heads: int, head_dim: int, tokens: int, dtype_by
 
 
 def layer_bytes(spec: LayerKV, sink: int, residual: int, heads: int, head_dim: int, tokens: int,
-                dtype_bytes: int, scale_bytes: int, capacity: int | None = None) -> int:  # fmt: skip
-    """Bytes one layer holds; `capacity` defaults to `tokens` rounded up to whole token blocks."""
+                dtype_bytes: int, scale_bytes: int, capacity: int | None = None, side_bytes: int | None = None) -> int:  # fmt: skip
+    """Bytes one layer holds; `capacity` defaults to `tokens` rounded up to whole token blocks;
+    `side_bytes` (per side-store element) to the model's `dtype_bytes`."""
     block = spec.token_block
     capacity = capacity if capacity is not None else math.ceil(tokens / block) * block
     side = sink + residual + block
     return (
         body_bytes(spec.key, heads, head_dim, capacity, dtype_bytes, scale_bytes)
         + body_bytes(spec.value, heads, head_dim, capacity, dtype_bytes, scale_bytes)
-        + 2 * heads * side * head_dim * dtype_bytes
+        + 2 * heads * side * head_dim * (side_bytes or dtype_bytes)
         + side * _SIDE_POS_BYTES
         + 8  # body_end
     )
@@ -74,7 +75,7 @@ def estimate(config: KVQuantConfig, num_layers: int, kv_heads: int, head_dim: in
     scale_bytes = torch.empty(0, dtype=getattr(torch, config.scale_dtype)).element_size()
     total = sum(
         layer_bytes(spec, config.sink_tokens, config.residual_length, batch * kv_heads, head_dim, tokens,
-                    dtype_bytes, scale_bytes, capacity)  # fmt: skip
+                    dtype_bytes, scale_bytes, capacity, None if config.side_dtype == "model" else 2)  # fmt: skip
         for spec in config.resolve(num_layers)
     )
     elements = 2 * num_layers * batch * kv_heads * head_dim * max(tokens, 1)

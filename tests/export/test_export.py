@@ -50,10 +50,10 @@ def exported(request, tmp_path_factory):
         "kivi-4": KVQuantConfig.preset("kivi-4"),
         # calibrated codebooks and key ranges (keys coded on arrival against fixed per-channel ranges),
         # outlier slots (keys' judged by calibrated channel thresholds and kept in the model's dtype,
-        # values' per vector online and kept in float16), pre-RoPE keys, a sink (per-block key ranges:
-        # kivi-*)
-        "kvquant-nuq3-2pct": _half_value_outliers(kvquant_config(bits=3, outliers=0.02, value_outlier_rule="vector",
-                                                                 folder=folder, key_ranges="calibrated")),  # fmt: skip
+        # values' per vector online and kept in float16), pre-RoPE keys, a sink and a float16 side store
+        # in the float32 model (per-block key ranges: kivi-*)
+        "kvquant-nuq3-2pct": dataclasses.replace(_half_value_outliers(kvquant_config(
+            bits=3, outliers=0.02, value_outlier_rule="vector", folder=folder, key_ranges="calibrated")), side_dtype="float16"),  # fmt: skip
     }[request.param]
     pte = export_executorch(tiny_llama(), cfg, folder / "m.pte", max_seq_len=MAX_LEN)
     onnx_path = export_onnx(tiny_llama(), cfg, folder / "m.onnx", max_seq_len=MAX_LEN)

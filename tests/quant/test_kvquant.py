@@ -243,6 +243,40 @@ def test_calibrated_ranges_are_each_channels_thresholds_or_min_max_without_the_s
             assert (lo < x.amin((0, 2))).all() and (hi > x.amax((0, 2))).all()
 
 
+@pytest.mark.parametrize("side_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_side_store_is_what_every_path_reads_and_is_counted(side_dtype):
+    """side_dtype: the sink and window of a float32 model held in 16 bits. Token by token (static,
+    compile/export's path) and dynamic caches store identical bytes, the memory report counts the
+    halved side store, and attention reads exactly the rounded values."""
+    model = tiny_llama()
+    cfg = dataclasses.replace(kvquant_config(bits=3, outliers=0.02, key_ranges="calibrated"), side_dtype=side_dtype,
+                              residual_length=8)  # fmt: skip
+    assert KVQuantConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    quantize_kv_(model, cfg)
+    ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(4))
+    dyn, static = make_cache(model), make_cache(model, max_cache_len=64)
+    with torch.no_grad():
+        a = torch.cat([model(ids[:, i : i + 1], cache=dyn).logits for i in range(50)], 1)
+        b = torch.cat([model(ids[:, i : i + 1], cache=static).logits for i in range(50)], 1)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for x, y in zip(dyn.layers, static.layers):
+        assert x.side_k.dtype == getattr(torch, side_dtype) and torch.equal(x.side_k, y.side_k) and torch.equal(x.side_v, y.side_v)
+        assert torch.equal(x.k_body.codes[:, :, :64], y.k_body.codes) and torch.equal(x.v_body.codes[:, :, :64], y.v_body.codes)
+    assert dyn.memory_report().bytes == dyn.tensor_bytes()
+    full = dataclasses.replace(cfg, side_dtype="model")
+    assert full_side_bytes(model, full, ids) - dyn.tensor_bytes() == sum(t.numel() * 2 for layer in dyn.layers for t in (layer.side_k, layer.side_v))
+    with pytest.raises(ValueError, match="side_dtype must be one of"):
+        dataclasses.replace(cfg, side_dtype="float8")
+
+
+def full_side_bytes(model, config, ids) -> int:
+    quantize_kv_(model, config)
+    cache = make_cache(model)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    return cache.tensor_bytes()
+
+
 def test_calibrated_key_ranges_hold_no_block_in_float_keep_their_ranges_on_reset_and_count_their_bytes():
     model = tiny_llama()
     cfg = kvquant_config(bits=3, outliers=0.02, key_ranges="calibrated")
