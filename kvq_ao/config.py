@@ -390,55 +390,58 @@ def _kivi(bits: int) -> KVQuantConfig:
     )
 
 
-# (sink tokens, full-precision window) of the kvquant-B presets, chosen on development text by
-# benchmarks/kvquant_recipe.py (results/kvquant_recipe.json): the cheapest of sink {1, 5} x window
-# {0, 32, 128} within the issue's PPL target for kvquant-B-1pct, a rule fixed before the run. The
-# paper's layout (sink 1, window 0) lost 1.5% / 4.7% / 27% there; a 32-token window is what fixes it.
-# The 4-bit pick sat on its target's edge on 8 windows (+0.49%); benchmarks/kvquant_window_margin.py
-# re-checked it on 48 development windows asking for the whole 95% interval within the target:
-# window 32 +0.63%, 64 +0.62%, 128 +0.38% [+0.24, +0.53]; none passed, so the lowest PPL, 128.
-KVQUANT_LAYOUT: dict[int, tuple[int, int]] = {4: (5, 128), 3: (1, 32), 2: (1, 32)}
-
-# Tokens per per-channel key block (each channel's range is set per block; the block being filled
-# stays in full precision). 128 at first; at 4 bits benchmarks/kvquant_key_blocks.py (2026-12-01,
-# 48 development windows, the 128-token window above, rule fixed before the run: the first of 64,
-# 32 whose 95% interval lies within 0.5%) took 64: +0.38% -> +0.31% [+0.20, +0.42], and fewer bits
-# (7.61 -> 7.24 per element at 4096 tokens: a shorter block being filled outweighs more scales).
-KEY_BLOCK: dict[int, int] = {4: 64, 3: 128, 2: 128}
-
-
 # How the -1pct presets judge value outliers, per bit width. "vector" is KVQuant's own rule for values
 # (per-token thresholds computed online); "channel" uses calibrated per-channel thresholds as for keys.
-# Chosen on development text by benchmarks/kvquant_value_outliers.py (2026-12-01, each width's
-# chosen layout; rule fixed before the run: "vector" where it lowers development PPL): 2 bits
-# +9.01% -> +7.11%, 3 bits +1.84% -> +1.90%, 4 bits +0.49% -> +0.56% (KL to fp fell at every
-# width: 0.0736 -> 0.0596, 0.0174 -> 0.0165, 0.0049 -> 0.0044, but PPL is the issue's measure).
+# Chosen on development text by benchmarks/kvquant_value_outliers.py (2026-12-01, for the earlier
+# per-block layout; rule: "vector" where it lowers development PPL). The compact layouts below keep
+# value outliers at 4 bits only, so only VALUE_OUTLIER_RULE[4] is used by a preset (the tuning base
+# and experiments/kvquant_compact.py read the others).
 VALUE_OUTLIER_RULE: dict[int, str] = {4: "channel", 3: "channel", 2: "vector"}
 
-# Outlier slots each key vector of the -1pct presets has (None: ceil(1% x head_dim), one at head_dim 64).
-# At 4 bits one slot left 0.39% of SmolLM2's key entries clamped; chosen on development text by
-# benchmarks/kvquant_key_slots.py (2026-12-01, rule fixed before the run: the fewest of 1/2/3 slots
-# within 0.1 point of the best): 1 slot +0.49%, 2 slots +0.35%, 3 slots +0.35%, at 6.55 / 6.86 / 7.17
-# bits per element. The 3- and 2-bit presets were not re-examined (they meet their targets).
-KEY_OUTLIER_SLOTS: dict[int, int | None] = {4: 2, 3: None, 2: None}
+
+@dataclass(frozen=True)
+class KVQuantLayout:
+    """What a kvquant-B preset stores besides its bits (see `_kvquant`)."""
+
+    window: int  # recent tokens kept in full precision (plus one sink token)
+    key_slots: int | None  # outlier slots per key vector (None: ceil(1% x head_dim))
+    value_outliers: bool  # whether value vectors keep outliers too
+    value_group: int = 64  # channels per value scale/zero (64 = one per vector at head_dim 64)
+
+
+# Chosen on development text by experiments/kvquant_compact.py (results/kvquant_compact.json; rule
+# fixed before the run: the lowest development PPL, then the fewest bits within 0.1 point of it),
+# among layouts within the memory budget of 5.3 / 4.0 / 3.0 bits per element at 4096 tokens. Keys
+# take calibrated per-channel ranges (no per-block metadata, no key block held in float), values one
+# scale/zero per vector, outlier values and the full-precision window are float16. What decided most:
+# the window (3 bits: 0 tokens +10.3%, 32 +2.9%, 128 +1.3% on development text); at 3 and 2 bits a
+# 128-token float16 window without value outliers beat a shorter one with them (+1.27% vs +1.89%,
+# +4.95% vs +5.56%); at 4 bits two key slots and a 64-token window (+0.33%).
+KVQUANT_LAYOUT: dict[int, KVQuantLayout] = {
+    4: KVQuantLayout(window=64, key_slots=2, value_outliers=True),
+    3: KVQuantLayout(window=128, key_slots=None, value_outliers=False),
+    2: KVQuantLayout(window=128, key_slots=None, value_outliers=False),
+}
 
 
 def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
-    """KVQuant: pre-RoPE per-channel keys, per-token values, calibrated nuq levels, an attention sink
-    and a short full-precision window (`KVQUANT_LAYOUT`).
-
-    Keys are grouped per channel over blocks of `KEY_BLOCK` tokens (a block is quantized once it has
-    fallen behind the window; until then it stays in the full-precision side store); values per
-    token in groups of 32 channels. Chosen on calibration text (3 x 1024 tokens after the
-    calibration samples): value groups of 32 vs 64 cost 0.25 bits and cut the PPL loss 4.9% -> 4.3%
-    at 3 bits, 30% -> 26% at 2 bits. The no-outlier presets share the -1pct layout of their width.
+    """KVQuant: pre-RoPE keys with calibrated per-channel ranges and calibrated nuq levels, per-token
+    values with one scale/zero per vector, an attention sink and a float16 full-precision window
+    (`KVQUANT_LAYOUT`). The -1pct presets keep 1% of key entries exact (and of value entries at 4
+    bits), judged by calibrated channel thresholds, which are also the keys' ranges; without outliers
+    each channel's range is its calibration min/max (the same layout, KVQuant's "no outliers" ablation).
     """
-    sink, window = KVQUANT_LAYOUT[bits]
+    layout = KVQUANT_LAYOUT[bits]
+    key = QuantSpec(bits, "channel", 128, "nuq", outliers, max_outliers=layout.key_slots if outliers else None,
+                    outlier_dtype="float16", ranges="calibrated")  # fmt: skip
+    value_outliers = outliers if layout.value_outliers else 0.0
+    value = QuantSpec(bits, "token", layout.value_group, "nuq", value_outliers,
+                      VALUE_OUTLIER_RULE[bits] if value_outliers else "channel", outlier_dtype="float16")  # fmt: skip
     return KVQuantConfig(
-        default=LayerKV(QuantSpec(bits, "channel", KEY_BLOCK[bits], "nuq", outliers, max_outliers=KEY_OUTLIER_SLOTS[bits] if outliers else None),
-                        QuantSpec(bits, "token", 32, "nuq", outliers, VALUE_OUTLIER_RULE[bits] if outliers else "channel")),
-        sink_tokens=sink,
-        residual_length=window,
+        default=LayerKV(key, value),
+        sink_tokens=1,
+        residual_length=layout.window,
+        side_dtype="float16",
         pre_rope_keys=True,
         calibration="auto",
         name=f"kvquant-{bits}" + ("-1pct" if outliers else ""),
