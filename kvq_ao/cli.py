@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvq_ao.config import SIDE_DTYPES
 from kvq_ao.demo import DEFAULT_BUDGET, DEFAULT_CONFIGS
 from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
 
@@ -135,7 +136,10 @@ def cmd_tune(args) -> int:
 
     model, tokenizer = _load(args)
     ids = text_windows(tokenizer, pydoc_text("calib"), args.samples, args.seq_len)
-    base = base_config(residual_length=args.residual, group_size=args.group, dtype=args.dtype, pre_rope_keys=args.pre_rope)
+    if args.dtype == "kvquant" and args.side_dtype != "model":
+        raise ValueError("--side-dtype: the kvquant base keeps its presets' float16 side store; drop the flag")
+    base = base_config(residual_length=args.residual, group_size=args.group, dtype=args.dtype, pre_rope_keys=args.pre_rope,
+                       side_dtype=args.side_dtype)  # fmt: skip
     profile_path = Path(args.profile) if args.profile else default_profile_path(model, base, ids)
     result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
                   trials=args.trials, log=_log)  # fmt: skip
@@ -314,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "kvquant: the kvquant-B-1pct presets' datatypes and layout at every width (calibrated levels, "
                         "key ranges and outliers; each width calibrated once; --residual/--group/--pre-rope unused)")
     p.add_argument("--pre-rope", action="store_true", help="store keys before RoPE (KVQuant), rotated inside attention")
+    p.add_argument("--side-dtype", choices=SIDE_DTYPES, default="model",
+                   help="dtype of the full-precision window (16 bits halves its memory in a float32 model)")
     p.add_argument("--profile", default=None, help="layer profile cache (.json); default: the user cache")
     p.set_defaults(func=cmd_tune)
 

@@ -409,16 +409,16 @@ class KVQuantLayout:
     value_group: int = 64  # channels per value scale/zero (64 = one per vector at head_dim 64)
 
 
-# Chosen on development text by experiments/kvquant_compact.py (results/kvquant_compact.json; rule
-# fixed before the run: the lowest development PPL, then the fewest bits within 0.1 point of it),
-# among layouts within the memory budget of 5.3 / 4.0 / 3.0 bits per element at 4096 tokens. Keys
-# take calibrated per-channel ranges (no per-block metadata, no key block held in float), values one
-# scale/zero per vector, outlier values and the full-precision window are float16. What decided most:
-# the window (3 bits: 0 tokens +10.3%, 32 +2.9%, 128 +1.3% on development text); at 3 and 2 bits a
-# 128-token float16 window without value outliers beat a shorter one with them (+1.27% vs +1.89%,
-# +4.95% vs +5.56%); at 4 bits two key slots and a 64-token window (+0.33%).
+# Chosen on development text by experiments/kvquant_compact.py (results/kvquant_compact.json: the
+# lowest development KL to fp among layouts within 5.3 / 4.0 / 3.0 bits per element at 4096 tokens;
+# docs/kvquant.md says how that rule came to replace a PPL rule). Keys take calibrated per-channel
+# ranges (no per-block metadata, no key block held in float), values one scale/zero per vector,
+# outlier values and the full-precision window are float16. What decided most: the window (3 bits:
+# 0 tokens +10.3%, 32 +2.9%, 128 +1.3% on development text); at every width a longer float16 window
+# without value outliers beat a shorter one with them (KL 0.0125 vs 0.0170 at 3 bits, 0.0034 vs
+# 0.0055 at 4 bits); at 4 bits two key outlier slots (KL 0.0039 vs 0.0050 with one).
 KVQUANT_LAYOUT: dict[int, KVQuantLayout] = {
-    4: KVQuantLayout(window=64, key_slots=2, value_outliers=True),
+    4: KVQuantLayout(window=160, key_slots=2, value_outliers=False),
     3: KVQuantLayout(window=128, key_slots=None, value_outliers=False),
     2: KVQuantLayout(window=128, key_slots=None, value_outliers=False),
 }
@@ -427,8 +427,8 @@ KVQUANT_LAYOUT: dict[int, KVQuantLayout] = {
 def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
     """KVQuant: pre-RoPE keys with calibrated per-channel ranges and calibrated nuq levels, per-token
     values with one scale/zero per vector, an attention sink and a float16 full-precision window
-    (`KVQUANT_LAYOUT`). The -1pct presets keep 1% of key entries exact (and of value entries at 4
-    bits), judged by calibrated channel thresholds, which are also the keys' ranges; without outliers
+    (`KVQUANT_LAYOUT`). The -1pct presets keep 1% of key entries exact (and of value entries where
+    the layout says so), judged by calibrated channel thresholds, which are also the keys' ranges; without outliers
     each channel's range is its calibration min/max (the same layout, KVQuant's "no outliers" ablation).
     """
     layout = KVQUANT_LAYOUT[bits]

@@ -30,20 +30,23 @@ TUNE_DTYPES = ("int", "nf", "kvquant")
 
 
 def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: int = 32, dtype: str = "int",
-                pre_rope_keys: bool = False) -> KVQuantConfig:  # fmt: skip
+                pre_rope_keys: bool = False, side_dtype: str = "model") -> KVQuantConfig:  # fmt: skip
     """What every tuned layer shares: KIVI's axes and window (the uniform presets' layout), and the
     datatype of the 2- and 4-bit candidates ("int", or KVQuant's fixed NormalFloat levels "nf").
 
     dtype "kvquant" tunes over KVQuant's datatypes instead: the layout of the kvquant-B-1pct presets
     (calibrated nuq levels, calibrated key ranges, 1% outliers in float16, pre-RoPE keys, their sink
-    and window, which replace the arguments), each width calibrated once (`WidthCalibrations`)."""
+    and window, which replace the arguments), each width calibrated once (`WidthCalibrations`).
+
+    side_dtype holds the window in 16 bits ("float16"/"bfloat16"; `KVQuantConfig.side_dtype`), so a
+    tuned int config reaches the effective bits of the compact kvquant presets."""
     if dtype not in TUNE_DTYPES:
         raise ValueError(f"dtype must be one of {TUNE_DTYPES}, got {dtype!r}")
     if dtype == "kvquant":
         preset = KVQuantConfig.preset("kvquant-4-1pct")
         return dataclasses.replace(preset, name="tune-base-kvquant", calibration=None)
     bits = 8 if dtype == "int" else 4  # never used (each layer gets its pair); codebooks stop at 4 bits
-    return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens, pre_rope_keys=pre_rope_keys,
+    return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens, pre_rope_keys=pre_rope_keys, side_dtype=side_dtype,
                          default=LayerKV(QuantSpec(bits, "channel", group_size, dtype), QuantSpec(bits, "token", group_size, dtype)),
                          name="tune-base")  # fmt: skip
 

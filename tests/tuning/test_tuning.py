@@ -164,23 +164,26 @@ def test_tune_a_tiny_model_end_to_end_and_reuse_the_profile(tmp_path):
 
 def test_tune_over_kvquant_datatypes_nf_levels_and_pre_rope_keys(tmp_path):
     """KVQuant's uncalibrated datatype (NormalFloat levels) and pre-RoPE keys as tuning candidates:
-    2/4-bit candidates take the base's levels, 8-bit ones stay int; the tuned config runs."""
+    2/4-bit candidates take the base's levels, 8-bit ones stay int; the tuned config runs, with the
+    base's 16-bit window, and its profile is kept apart from a float32-window base's."""
     import torch
 
     from conftest import tiny_llama
     from kvq_ao import make_cache, quantize_kv_
     from kvq_ao.config import LayerKV, QuantSpec
     from kvq_ao.tuning.profile import base_config, layer_spec
-    from kvq_ao.tuning.tuner import tune
+    from kvq_ao.tuning.tuner import default_profile_path, tune
 
-    base = base_config(residual_length=8, group_size=16, dtype="nf", pre_rope_keys=True)
+    base = base_config(residual_length=8, group_size=16, dtype="nf", pre_rope_keys=True, side_dtype="float16")
     spec = layer_spec((2, 8), base)
     assert (spec.key.dtype, spec.key.bits, spec.value.dtype, spec.value.bits) == ("nf", 2, "int", 8)
     model = tiny_llama()
     ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
     result = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, progress=False, log=lambda _m: None)
     cfg = result.config
-    assert cfg.pre_rope_keys and result.chosen.avg_bits <= 3.0
+    assert cfg.pre_rope_keys and cfg.side_dtype == "float16" and result.chosen.avg_bits <= 3.0
+    fp32_window = dataclasses.replace(base, side_dtype="model")
+    assert default_profile_path(model, base, ids) != default_profile_path(model, fp32_window, ids)
     assert {s.dtype for layer in cfg.layers for s in (layer.key, layer.value) if s.bits in (2, 4)} <= {"nf"}
     # nf at 2 bits costs this layer more than nf at 4 bits (the profile measured real differences)
     assert (result.profile.kl[:, result.profile.column((2, 2))] > result.profile.kl[:, result.profile.column((4, 4))]).all()
@@ -198,6 +201,7 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
     from conftest import tiny_llama
     from kvq_ao import make_cache, quantize_kv_
     from kvq_ao.calibration import Calibration, calibrate
+    from kvq_ao.config import KVQUANT_LAYOUT
     from kvq_ao.tuning.profile import base_config, layer_spec
     from kvq_ao.tuning.tuner import tune
 
@@ -205,7 +209,8 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
     spec = layer_spec((2, 8), base)
     key, value = spec.key, spec.value
     assert (key.bits, key.dtype, value.bits, value.dtype) == (2, "nuq", 8, "int")
-    assert key.outliers == value.outliers == 0.01 and key.calibrated_ranges and base.pre_rope_keys
+    assert key.outliers == 0.01 and key.calibrated_ranges and base.pre_rope_keys
+    assert value.outliers == KVQUANT_LAYOUT[4].value_outliers * 0.01  # the 4-bit preset's layout
     model = tiny_llama()
     ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
     calib_ids = torch.randint(3, 128, (3, 64), generator=torch.Generator().manual_seed(2))
