@@ -254,27 +254,20 @@ def test_a_16_bit_side_store_is_what_every_path_reads_and_is_counted(side_dtype)
     assert KVQuantConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     quantize_kv_(model, cfg)
     ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(4))
-    dyn, static = make_cache(model), make_cache(model, max_cache_len=64)
-    with torch.no_grad():
-        a = torch.cat([model(ids[:, i : i + 1], cache=dyn).logits for i in range(50)], 1)
-        b = torch.cat([model(ids[:, i : i + 1], cache=static).logits for i in range(50)], 1)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    dyn, static = step_dynamic_and_static(model, ids, max_cache_len=64)
     for x, y in zip(dyn.layers, static.layers):
         assert x.side_k.dtype == getattr(torch, side_dtype) and torch.equal(x.side_k, y.side_k) and torch.equal(x.side_v, y.side_v)
         assert torch.equal(x.k_body.codes[:, :, :64], y.k_body.codes) and torch.equal(x.v_body.codes[:, :, :64], y.v_body.codes)
     assert dyn.memory_report().bytes == dyn.tensor_bytes()
     full = dataclasses.replace(cfg, side_dtype="model")
-    assert full_side_bytes(model, full, ids) - dyn.tensor_bytes() == sum(t.numel() * 2 for layer in dyn.layers for t in (layer.side_k, layer.side_v))
+    quantize_kv_(model, full)
+    float32_side = make_cache(model)
+    with torch.no_grad():
+        model(ids, cache=float32_side)
+    halved = sum(t.numel() * 2 for layer in dyn.layers for t in (layer.side_k, layer.side_v))
+    assert float32_side.tensor_bytes() - dyn.tensor_bytes() == halved
     with pytest.raises(ValueError, match="side_dtype must be one of"):
         dataclasses.replace(cfg, side_dtype="float8")
-
-
-def full_side_bytes(model, config, ids) -> int:
-    quantize_kv_(model, config)
-    cache = make_cache(model)
-    with torch.no_grad():
-        model(ids, cache=cache)
-    return cache.tensor_bytes()
 
 
 def test_calibrated_key_ranges_hold_no_block_in_float_keep_their_ranges_on_reset_and_count_their_bytes():
@@ -413,6 +406,17 @@ def test_a_config_that_needs_calibration_says_so():
 
 
 # ----------------------------------------------------------------------------- through the cache
+def step_dynamic_and_static(model, ids: torch.Tensor, max_cache_len: int):
+    """Feed ids one token at a time through a dynamic and a static cache (compile/export's path);
+    check the logits agree and return both caches for byte-level checks."""
+    dyn, static = make_cache(model), make_cache(model, max_cache_len=max_cache_len)
+    with torch.no_grad():
+        a = torch.cat([model(ids[:, i : i + 1], cache=dyn).logits for i in range(ids.shape[1])], 1)
+        b = torch.cat([model(ids[:, i : i + 1], cache=static).logits for i in range(ids.shape[1])], 1)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return dyn, static
+
+
 @pytest.mark.parametrize("dtype, outliers, rule, ranges", [("nuq", 0.02, "channel", "online"), ("nuq", 0.02, "vector", "online"),
                                                           ("nf", 0.0, "channel", "online"), ("int", 0.02, "channel", "online"),
                                                           ("nuq", 0.02, "vector", "calibrated"), ("int", 0.0, "channel", "calibrated")])  # fmt: skip
@@ -421,11 +425,7 @@ def test_static_one_token_path_equals_dynamic_path_with_kvquant_datatypes(dtype,
     cfg = kvquant_config(bits=3, outliers=outliers, dtype=dtype, value_outlier_rule=rule, key_ranges=ranges)
     quantize_kv_(model, cfg)
     ids = torch.randint(0, 128, (1, 120))
-    dyn, static = make_cache(model), make_cache(model, max_cache_len=128)
-    with torch.no_grad():
-        a = torch.cat([model(ids[:, i : i + 1], cache=dyn).logits for i in range(120)], 1)
-        b = torch.cat([model(ids[:, i : i + 1], cache=static).logits for i in range(120)], 1)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    dyn, static = step_dynamic_and_static(model, ids, max_cache_len=128)
     for x, y in zip(dyn.layers, static.layers):
         assert int(x.body_end) == int(y.body_end) > 0
         for p, q in zip(x.k_body.tensors() + x.k_body.sparse() + x.v_body.sparse(), y.k_body.tensors() + y.k_body.sparse() + y.v_body.sparse()):
