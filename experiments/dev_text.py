@@ -8,6 +8,7 @@ docs/kvquant.md was made on it; none on the evaluation text.
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -77,6 +78,20 @@ def print_dev_table(title: str, rows: list[dict], before: dict, after: dict) -> 
         quality = [f"{r['ppl']:.3f}", f"{100 * (r['ppl_ratio'] - 1):+.2f}%", f"{r['kl']:.4f}"]
         cells = [f(r) for f in before.values()] + quality + [f(r) for f in after.values()]
         print("| " + " | ".join(cells) + " |")
+
+
+PPL_MARGIN = 0.001  # 0.1 point of PPL loss: float rounding alone moves a preset's development PPL that much
+
+
+def cheapest_near_best(rows: list[dict], cost: Callable[[dict], float], margin: float = PPL_MARGIN) -> dict:
+    """The lowest-cost row among those within `margin` of the lowest PPL ratio."""
+    best = min(r["ppl_ratio"] for r in rows)
+    return min((r for r in rows if r["ppl_ratio"] <= best + margin), key=cost)
+
+
+def load_dev_rows(out: str) -> list[dict]:
+    """The rows an earlier run saved at `out` (none if it has not run), so a run resumes."""
+    return json.loads(Path(out).read_text())["rows"] if Path(out).exists() else []
 
 
 def save_dev_rows(out: str, rows: list[dict]) -> None:

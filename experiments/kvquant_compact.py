@@ -25,17 +25,15 @@ results/kvquant_compact.json and prints a table.
 """
 
 import argparse
-import json
 from pathlib import Path
 
-from dev_text import calibrated_dev_row, dev_setup, print_dev_table, save_dev_rows
+from dev_text import calibrated_dev_row, cheapest_near_best, dev_setup, load_dev_rows, print_dev_table, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.config import VALUE_OUTLIER_RULE
 from kvq_ao.memory import estimate
 
 BUDGET = {4: 5.3, 3: 4.0, 2: 3.0}  # bits per element at 4096 tokens
-MARGIN = 0.001  # 0.1 point of PPL loss
 # (value group, window, key slots, side store dtype, value outliers) per width; None slots: ceil(1% x 64) = 1.
 # Round 1 kept the side store in the model's dtype (float32); round 2, added after round 1 showed the window
 # decides most of the loss (3 bits: window 0 +10.3%, 32 +2.9%), holds it in float16 so twice the window fits.
@@ -64,9 +62,8 @@ def compact(bits: int, value_group: int, window: int, key_slots: int | None, sid
 
 
 def choose_by_ppl(rows: list[dict]) -> dict:
-    """Rounds 1-2: the lowest PPL, then the fewest bits within MARGIN of it."""
-    best = min(r["ppl_ratio"] for r in rows)
-    return min((r for r in rows if r["ppl_ratio"] <= best + MARGIN), key=lambda r: r["avg_bits_at_4096"])
+    """Rounds 1-2: the lowest PPL, then the fewest bits within 0.1 point of it."""
+    return cheapest_near_best(rows, cost=lambda r: r["avg_bits_at_4096"])
 
 
 def choose(rows: list[dict]) -> dict:
@@ -83,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     widths = [int(b) for b in args.bits.split(",")]
     model, dev, acts = dev_setup(args.threads, args.windows)
-    rows = json.loads(Path(args.out).read_text())["rows"] if Path(args.out).exists() else []  # resumed: rows kept
+    rows = load_dev_rows(args.out)  # resumed: rows kept
     folder = Path("/tmp/kvq-compact")
     for bits in widths:
         for value_group, window, slots, side, value_outliers in CANDIDATES[bits]:

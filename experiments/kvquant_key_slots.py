@@ -21,12 +21,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dev_text import calibrated_dev_row, dev_setup, print_dev_table, save_dev_rows
+from dev_text import PPL_MARGIN, calibrated_dev_row, cheapest_near_best, dev_setup, print_dev_table, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV
 
 SLOTS = (1, 2, 3)
-MARGIN = 0.001  # 0.1 point of PPL loss
+MARGIN = PPL_MARGIN
 
 
 def with_key_slots(preset: KVQuantConfig, slots: int) -> KVQuantConfig:
@@ -35,8 +35,7 @@ def with_key_slots(preset: KVQuantConfig, slots: int) -> KVQuantConfig:
 
 
 def choose(rows: list[dict]) -> dict:
-    best = min(r["ppl_ratio"] for r in rows)
-    return min((r for r in rows if r["ppl_ratio"] <= best + MARGIN), key=lambda r: r["key_slots"])
+    return cheapest_near_best(rows, cost=lambda r: r["key_slots"], margin=MARGIN)
 
 
 def main() -> None:
