@@ -139,6 +139,20 @@ def _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP: tl.constexpr, 
 
 
 @triton.jit
+def _body_keys(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq, rope_scale,
+               D: tl.constexpr, HALF: tl.constexpr, PRE_ROPE: tl.constexpr, K_BITS: tl.constexpr, K_AXIS: tl.constexpr,
+               K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr):  # fmt: skip
+    """Key halves [n, DH] of body positions t [n] dequantized from the packed codes, rotated at t when pre-RoPE."""
+    k1 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
+                  D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+    k2 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
+                  D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+    if PRE_ROPE:
+        k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
+    return k1, k2
+
+
+@triton.jit
 def _side_keys(side_k, vec, ok, dh, ok_dh, pos, inv_freq, rope_scale, D: tl.constexpr, HALF: tl.constexpr,
                PRE_ROPE: tl.constexpr):  # fmt: skip
     """Key halves [n, DH] of side-store entries vec [n] (ok: filled), rotated at pos when pre-RoPE."""
@@ -200,12 +214,8 @@ def _decode_split(
         t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         ok_t = (t >= body_start) & (t < end)
         allow = _allowed(mask, b, qh, ok_h, t, ok_t, T, HQ, MASK_HEADS)
-        k1 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
-                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        k2 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
-                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        if PRE_ROPE:
-            k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
+        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
+                            rope_scale, D, HALF, PRE_ROPE, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
         s = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
         v = _dequant(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
                      DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
@@ -337,12 +347,8 @@ def _chunk_attention(
         allow = allow & (t[None, :] >= lo[:, None]) & (t[None, :] < hi[:, None])
         if BOUNDS == 0:
             allow = allow & (tl.load(mask + mask_row[:, None] + t[None, :], mask=allow, other=0) != 0)
-        k1 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
-                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        k2 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
-                      D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        if PRE_ROPE:
-            k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
+        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
+                            rope_scale, D, HALF, PRE_ROPE, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
         s = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
         v = _dequant(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
                      DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
