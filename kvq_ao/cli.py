@@ -136,8 +136,6 @@ def cmd_tune(args) -> int:
 
     model, tokenizer = _load(args)
     ids = text_windows(tokenizer, pydoc_text("calib"), args.samples, args.seq_len)
-    if args.dtype == "kvquant" and args.side_dtype != "model":
-        raise ValueError("--side-dtype: the kvquant base keeps its presets' float16 side store; drop the flag")
     base = base_config(residual_length=args.residual, group_size=args.group, dtype=args.dtype, pre_rope_keys=args.pre_rope,
                        side_dtype=args.side_dtype)  # fmt: skip
     profile_path = Path(args.profile) if args.profile else default_profile_path(model, base, ids)

@@ -394,8 +394,7 @@ def _kivi(bits: int) -> KVQuantConfig:
 # (per-token thresholds computed online); "channel" uses calibrated per-channel thresholds as for keys.
 # Chosen on development text by benchmarks/kvquant_value_outliers.py (2026-12-01, for the earlier
 # per-block layout; rule: "vector" where it lowers development PPL). The compact layouts below keep
-# value outliers at 4 bits only, so only VALUE_OUTLIER_RULE[4] is used by a preset (the tuning base
-# and experiments/kvquant_compact.py read the others).
+# no value outliers, so no preset uses it (experiments/kvquant_compact.py does).
 VALUE_OUTLIER_RULE: dict[int, str] = {4: "channel", 3: "channel", 2: "vector"}
 
 
@@ -405,7 +404,6 @@ class KVQuantLayout:
 
     window: int  # recent tokens kept in full precision (plus one sink token)
     key_slots: int | None  # outlier slots per key vector (None: ceil(1% x head_dim))
-    value_outliers: bool  # whether value vectors keep outliers too
     value_group: int = 64  # channels per value scale/zero (64 = one per vector at head_dim 64)
 
 
@@ -418,25 +416,23 @@ class KVQuantLayout:
 # without value outliers beat a shorter one with them (KL 0.0125 vs 0.0170 at 3 bits, 0.0034 vs
 # 0.0055 at 4 bits); at 4 bits two key outlier slots (KL 0.0039 vs 0.0050 with one).
 KVQUANT_LAYOUT: dict[int, KVQuantLayout] = {
-    4: KVQuantLayout(window=160, key_slots=2, value_outliers=False),
-    3: KVQuantLayout(window=128, key_slots=None, value_outliers=False),
-    2: KVQuantLayout(window=128, key_slots=None, value_outliers=False),
+    4: KVQuantLayout(window=160, key_slots=2),
+    3: KVQuantLayout(window=128, key_slots=None),
+    2: KVQuantLayout(window=128, key_slots=None),
 }
 
 
 def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
     """KVQuant: pre-RoPE keys with calibrated per-channel ranges and calibrated nuq levels, per-token
     values with one scale/zero per vector, an attention sink and a float16 full-precision window
-    (`KVQUANT_LAYOUT`). The -1pct presets keep 1% of key entries exact (and of value entries where
-    the layout says so), judged by calibrated channel thresholds, which are also the keys' ranges; without outliers
+    (`KVQUANT_LAYOUT`). The -1pct presets keep 1% of key entries exact (values keep none: a longer
+    window served better, see KVQUANT_LAYOUT), judged by calibrated channel thresholds, which are also the keys' ranges; without outliers
     each channel's range is its calibration min/max (the same layout, KVQuant's "no outliers" ablation).
     """
     layout = KVQUANT_LAYOUT[bits]
     key = QuantSpec(bits, "channel", 128, "nuq", outliers, max_outliers=layout.key_slots if outliers else None,
                     outlier_dtype="float16", ranges="calibrated")  # fmt: skip
-    value_outliers = outliers if layout.value_outliers else 0.0
-    value = QuantSpec(bits, "token", layout.value_group, "nuq", value_outliers,
-                      VALUE_OUTLIER_RULE[bits] if value_outliers else "channel", outlier_dtype="float16")  # fmt: skip
+    value = QuantSpec(bits, "token", layout.value_group, "nuq", outlier_dtype="float16")  # float16 as the keys', should outliers be added
     return KVQuantConfig(
         default=LayerKV(key, value),
         sink_tokens=1,

@@ -43,6 +43,8 @@ def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: in
     if dtype not in TUNE_DTYPES:
         raise ValueError(f"dtype must be one of {TUNE_DTYPES}, got {dtype!r}")
     if dtype == "kvquant":
+        if side_dtype != "model":
+            raise ValueError("side_dtype: the kvquant base keeps its presets' float16 side store; leave it at 'model'")
         preset = KVQuantConfig.preset("kvquant-4-1pct")
         return dataclasses.replace(preset, name="tune-base-kvquant", calibration=None)
     bits = 8 if dtype == "int" else 4  # never used (each layer gets its pair); codebooks stop at 4 bits

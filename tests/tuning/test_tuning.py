@@ -201,7 +201,6 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
     from conftest import tiny_llama
     from kvq_ao import make_cache, quantize_kv_
     from kvq_ao.calibration import Calibration, calibrate
-    from kvq_ao.config import KVQUANT_LAYOUT
     from kvq_ao.tuning.profile import base_config, layer_spec
     from kvq_ao.tuning.tuner import tune
 
@@ -210,7 +209,9 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
     key, value = spec.key, spec.value
     assert (key.bits, key.dtype, value.bits, value.dtype) == (2, "nuq", 8, "int")
     assert key.outliers == 0.01 and key.calibrated_ranges and base.pre_rope_keys
-    assert value.outliers == KVQUANT_LAYOUT[4].value_outliers * 0.01  # the 4-bit preset's layout
+    assert value.outliers == 0.0  # the presets' layout: values keep no outliers
+    with pytest.raises(ValueError, match="side_dtype"):
+        base_config(dtype="kvquant", side_dtype="float16")
     model = tiny_llama()
     ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
     calib_ids = torch.randint(3, 128, (3, 64), generator=torch.Generator().manual_seed(2))
