@@ -125,6 +125,17 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _widths(text: str) -> tuple[int, ...]:
+    from kvq_ao.tuning.pareto import candidate_pairs
+
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+        candidate_pairs(widths)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--widths {text!r}: {e}") from None
+    return widths
+
+
 def cmd_tune(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -140,7 +151,7 @@ def cmd_tune(args) -> int:
                        side_dtype=args.side_dtype)  # fmt: skip
     profile_path = Path(args.profile) if args.profile else default_profile_path(model, base, ids)
     result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
-                  trials=args.trials, log=_log)  # fmt: skip
+                  trials=args.trials, log=_log, widths=args.widths)  # fmt: skip
     out = Path(args.out)
     config = result.config
     if config.calibration:  # the calibration assembled for it, kept beside the config
@@ -318,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pre-rope", action="store_true", help="store keys before RoPE (KVQuant), rotated inside attention")
     p.add_argument("--side-dtype", choices=SIDE_DTYPES, default="model",
                    help="dtype of the full-precision window (16 bits halves its memory in a float32 model)")
+    p.add_argument("--widths", type=_widths, default=(2, 4, 8), metavar="W,W,...",
+                   help="bit widths the (key, value) candidate pairs are drawn from: KVTuner's 2,4,8 by default; "
+                        "any of 2,3,4,8 (a saved profile is extended with the pairs it lacks)")
     p.add_argument("--profile", default=None, help="layer profile cache (.json); default: the user cache")
     p.set_defaults(func=cmd_tune)
 

@@ -37,7 +37,7 @@ class WidthCalibrations:
         self.uniform = {w: dataclasses.replace(base.with_layers([], name=f"{base.name}-{w}bit"), calibration="auto",
                                                default=layer_spec((w, w), base)) for w in widths}  # fmt: skip
         needed = {w: c for w, c in self.uniform.items() if c.needs_calibration}
-        if calibration_ids is None:
+        if calibration_ids is None:  # widths already calibrated are loaded, not refitted
             calibrate_missing(model, list(needed.values()))
             self.by_width = {w: Calibration.load(default_path(model, c)) for w, c in needed.items()}
             return

@@ -5,7 +5,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 Pair = tuple[int, int]
-CANDIDATES: tuple[Pair, ...] = tuple((k, v) for k in (2, 4, 8) for v in (2, 4, 8))
+KVTUNER_WIDTHS: tuple[int, ...] = (2, 4, 8)  # KVTuner's candidate widths, the default
+TUNABLE_WIDTHS: tuple[int, ...] = (2, 3, 4, 8)  # every width the cache stores
+
+
+def candidate_pairs(widths: Sequence[int] = KVTUNER_WIDTHS) -> tuple[Pair, ...]:
+    """Every (key bits, value bits) pair over `widths`, key-major and ascending."""
+    ws = sorted(set(widths))
+    if not ws or any(isinstance(w, bool) or w not in TUNABLE_WIDTHS for w in ws):
+        raise ValueError(f"candidate widths must be a non-empty subset of {TUNABLE_WIDTHS}, got {tuple(widths)!r}")
+    return tuple((k, v) for k in ws for v in ws)
+
+
+CANDIDATES: tuple[Pair, ...] = candidate_pairs()
 
 
 def pair_bits(pair: Pair) -> float:
@@ -14,7 +26,9 @@ def pair_bits(pair: Pair) -> float:
     return (pair[0] + pair[1]) / 2
 
 
-def check_pair(pair: Pair, allowed: Sequence[Pair] = CANDIDATES) -> None:
+def check_pair(pair: Pair, allowed: Sequence[Pair] | None = None) -> None:
+    """`pair` is one of `allowed` (default: any pair of widths the cache stores)."""
+    allowed = candidate_pairs(TUNABLE_WIDTHS) if allowed is None else allowed
     if tuple(pair) not in allowed:
         raise ValueError(f"unknown candidate pair {tuple(pair)!r}; candidates are {list(allowed)}")
 
@@ -45,4 +59,4 @@ def prune(errors: Mapping[Pair, float]) -> list[Pair]:
     return [pairs[i] for i in front]
 
 
-__all__ = ["check_pair", "pair_bits", "pareto_front", "prune"]
+__all__ = ["CANDIDATES", "KVTUNER_WIDTHS", "TUNABLE_WIDTHS", "candidate_pairs", "check_pair", "pair_bits", "pareto_front", "prune"]

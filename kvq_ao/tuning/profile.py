@@ -91,6 +91,29 @@ class LayerProfile:
         """KL predicted for a per-layer assignment: the sum of its layers' profiled KLs."""
         return sum(self.layer_kl(layer, p) for layer, p in enumerate(layer_pairs))
 
+    def missing(self, candidates: list[Pair]) -> list[Pair]:
+        """The pairs of `candidates` this profile has no column for."""
+        return [tuple(p) for p in candidates if tuple(p) not in self.candidates]
+
+    def select(self, candidates: list[Pair]) -> LayerProfile:
+        """This profile restricted to `candidates` (all profiled), in their order."""
+        if gone := self.missing(candidates):
+            raise ValueError(f"pairs {gone} were not profiled")
+        cols = [self.column(p) for p in candidates]
+        return dataclasses.replace(self, candidates=[tuple(p) for p in candidates], attn_error=self.attn_error[:, cols],
+                                   kl=self.kl[:, cols])  # fmt: skip
+
+    def extended(self, other: LayerProfile) -> LayerProfile:
+        """This profile with `other`'s columns for pairs it lacks: the same model, base and tokens, so a
+        profile grows to new candidate widths without re-profiling the pairs it has."""
+        if (other.model, other.base, other.tokens) != (self.model, self.base, self.tokens):
+            raise ValueError("can only extend a profile with one of the same model, base config and calibration tokens")
+        new = self.missing(other.candidates)
+        cols = [other.column(p) for p in new]
+        return dataclasses.replace(self, candidates=self.candidates + new,
+                                   attn_error=np.concatenate([self.attn_error, other.attn_error[:, cols]], axis=1),
+                                   kl=np.concatenate([self.kl, other.kl[:, cols]], axis=1))  # fmt: skip
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import torch
 
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.tuning.cluster import cluster_layers, group_candidates
-from kvq_ao.tuning.pareto import CANDIDATES, Pair, pair_bits, prune
+from kvq_ao.tuning.pareto import KVTUNER_WIDTHS, Pair, candidate_pairs, pair_bits, prune
 from kvq_ao.tuning.calibrated import WidthCalibrations
 from kvq_ao.tuning.profile import LayerProfile, assignment_config, base_config, kl_to, layer_spec, profile, run_with
 from kvq_ao.tuning.search import SearchResult, predicted_front, search
@@ -74,15 +74,20 @@ def per_layer(assignment: tuple[Pair, ...], groups: list[int]) -> list[Pair]:
 
 def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base: KVQuantConfig | None = None,
          profile_path: str | Path | None = None, trials: int = 96, seed: int = 0, progress: bool = True,
-         log=print, calibration_ids: torch.Tensor | None = None, calibration_folder: Path | None = None) -> TuneResult:  # fmt: skip
-    """KVTuner on `model` over ids [S, T] under `max_avg_bits` (see the module docstring). A base of
+         log=print, calibration_ids: torch.Tensor | None = None, calibration_folder: Path | None = None,
+         widths: tuple[int, ...] = KVTUNER_WIDTHS) -> TuneResult:  # fmt: skip
+    """KVTuner on `model` over ids [S, T] under `max_avg_bits` (see the module docstring), over the
+    (key, value) pairs of `widths` (KVTuner's {2, 4, 8} by default; 3 may be added). A base of
     calibrated datatypes (`base_config(dtype="kvquant")`) is calibrated once per width, on pydoc's
-    calibration text into the user cache, or on `calibration_ids` into `calibration_folder`."""
+    calibration text into the user cache, or on `calibration_ids` into `calibration_folder`.
+    A saved profile lacking some pairs is extended with them (only those are profiled)."""
     base = base or base_config()
+    candidates = list(candidate_pairs(widths))
     attach = lambda config: config  # noqa: E731  (configs of calibrated datatypes get their calibration)
-    if any(layer_spec(p, base).key.needs_calibration or layer_spec(p, base).value.needs_calibration for p in CANDIDATES):
+    if any(layer_spec(p, base).key.needs_calibration or layer_spec(p, base).value.needs_calibration for p in candidates):
         log("calibrating each bit width of the base once (user cache)")
-        attach = WidthCalibrations(model, base, layer_spec, calibration_ids=calibration_ids, folder=calibration_folder).attach
+        attach = WidthCalibrations(model, base, layer_spec, widths=tuple(sorted(set(widths))), calibration_ids=calibration_ids,
+                                   folder=calibration_folder).attach  # fmt: skip
     t0 = time.perf_counter()
     prof = None
     if profile_path is not None and Path(profile_path).exists():
@@ -91,10 +96,15 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
         if prof.base != base.to_dict():
             raise ValueError(f"{profile_path}: profiled with another base config; delete it or pass another path")
         log(f"reusing the layer profile {profile_path}")
+        if missing := prof.missing(candidates):
+            log(f"profiling the {len(missing)} pairs it lacks: {' '.join(f'K{k}V{v}' for k, v in missing)}")
+            prof = prof.extended(profile(model, ids, base, candidates=missing, progress=progress, attach=attach))
+            prof.save(profile_path)
     if prof is None:
-        prof = profile(model, ids, base, progress=progress, attach=attach)
+        prof = profile(model, ids, base, candidates=candidates, progress=progress, attach=attach)
         if profile_path is not None:
             prof.save(profile_path)
+    prof = prof.select(candidates)
     profile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     pruned = [prune({p: prof.layer_kl(layer, p) for p in prof.candidates}) for layer in range(prof.kl.shape[0])]
@@ -116,8 +126,8 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
     front = search(cands, sizes, loss, max_avg_bits=max_avg_bits, trials=trials, seed=seed, progress=progress, seeds=seeds)
     chosen = min(front, key=lambda r: r.loss)
     n = len(groups)
-    log(f"measuring the {len(CANDIDATES)} uniform assignments for comparison")
-    uniform = [(p, kl_to(logp_fp, run_with(model, ids, attach(assignment_config([p] * n, base))))) for p in CANDIDATES]
+    log(f"measuring the {len(candidates)} uniform assignments for comparison")
+    uniform = [(p, kl_to(logp_fp, run_with(model, ids, attach(assignment_config([p] * n, base))))) for p in candidates]
     search_s = time.perf_counter() - t0
     config = attach(assignment_config(per_layer(chosen.assignment, groups), base, name=f"tuned-{max_avg_bits:g}bit"))
     return TuneResult(prof, groups, cands, front, chosen, config, uniform, profile_s, search_s)

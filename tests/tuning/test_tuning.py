@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvq_ao.tuning import CANDIDATES, cluster_layers, pair_bits, pareto_front, prune, search
+from kvq_ao.tuning import CANDIDATES, candidate_pairs, cluster_layers, pair_bits, pareto_front, prune, search
 from kvq_ao.tuning.cluster import group_candidates
 
 
@@ -23,10 +23,26 @@ def test_prune_keeps_the_cheapest_pair_per_error_level():
 
 
 def test_unknown_pair_is_rejected():
-    with pytest.raises(ValueError, match="unknown candidate pair \\(3, 4\\)"):
-        prune({(3, 4): 0.1})
+    with pytest.raises(ValueError, match="unknown candidate pair \\(5, 4\\)"):
+        prune({(5, 4): 0.1})
     with pytest.raises(ValueError, match="unknown candidate pair"):
         pair_bits((16, 2))
+
+
+def test_candidate_pairs_over_chosen_widths():
+    import argparse
+
+    from kvq_ao.cli import _widths
+
+    assert CANDIDATES == candidate_pairs((8, 2, 4)) and len(CANDIDATES) == 9  # KVTuner's {2,4,8}^2 by default
+    with_three = candidate_pairs((2, 3, 4, 8))
+    assert len(with_three) == 16 and (3, 4) in with_three and set(CANDIDATES) < set(with_three)
+    for bad in ((), (2, 5), (1, 2), (True, 2)):
+        with pytest.raises(ValueError, match="candidate widths"):
+            candidate_pairs(bad)
+    assert _widths("2,3,4,8") == (2, 3, 4, 8)
+    with pytest.raises(argparse.ArgumentTypeError, match="--widths '2,6'"):
+        _widths("2,6")
 
 
 def test_clustering_recovers_synthetic_groups():
@@ -129,7 +145,7 @@ def test_tune_a_tiny_model_end_to_end_and_reuse_the_profile(tmp_path):
 
     from conftest import tiny_llama
     from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
-    from kvq_ao.tuning.profile import LayerProfile, base_config
+    from kvq_ao.tuning.profile import LayerProfile, base_config, profile
     from kvq_ao.tuning.tuner import tune, write_front
 
     model = tiny_llama()
@@ -155,6 +171,18 @@ def test_tune_a_tiny_model_end_to_end_and_reuse_the_profile(tmp_path):
     assert (tmp_path / "front.csv").read_text().count("uniform") == 9
     again = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, profile_path=prof_path, progress=False, log=logs.append)
     assert any("reusing" in m for m in logs) and again.chosen.avg_bits <= 3.0
+    # adding 3-bit candidates profiles only the 7 new pairs and keeps the 9 measured ones as they were
+    logs.clear()
+    wider = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, profile_path=prof_path, progress=False, log=logs.append,
+                 widths=(2, 3, 4, 8))  # fmt: skip
+    assert any("profiling the 7 pairs it lacks" in m for m in logs)
+    assert wider.profile.candidates == list(candidate_pairs((2, 3, 4, 8))) and wider.profile.kl.shape == (2, 16)
+    saved = LayerProfile.load(prof_path)
+    assert saved.candidates[:9] == list(CANDIDATES) and np.array_equal(saved.kl[:, :9], prof.kl)
+    fresh = profile(model, ids, base, candidates=[(3, 4), (2, 3)], progress=False)  # deterministic: same numbers
+    for pair in fresh.candidates:
+        assert np.array_equal(wider.profile.kl[:, wider.profile.column(pair)], fresh.kl[:, fresh.column(pair)]), pair
+    assert wider.chosen.avg_bits <= 3.0 and len(wider.uniform) == 16
     with pytest.raises(ValueError, match="not for"):
         tune(tiny_llama(layers=3), ids, max_avg_bits=3.0, base=base, profile_path=prof_path, progress=False)
     with pytest.raises(ValueError, match="invalid layer profile"):
@@ -216,10 +244,10 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
     ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
     calib_ids = torch.randint(3, 128, (3, 64), generator=torch.Generator().manual_seed(2))
     result = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, progress=False, log=lambda _m: None,
-                  calibration_ids=calib_ids, calibration_folder=tmp_path)  # fmt: skip
+                  calibration_ids=calib_ids, calibration_folder=tmp_path, widths=(2, 3, 4, 8))  # fmt: skip
     cfg = result.config
     assert result.chosen.avg_bits <= 3.0 and {s.bits for layer in cfg.layers for s in (layer.key, layer.value)} > {2}
-    assert sorted(p.name for p in tmp_path.glob("*bit.json")) == [f"{base.name}-{w}bit.json" for w in (2, 4, 8)]
+    assert sorted(p.name for p in tmp_path.glob("*bit.json")) == [f"{base.name}-{w}bit.json" for w in (2, 3, 4, 8)]
     assembled = Calibration.load(cfg.calibration)
     direct = calibrate(model, calib_ids, cfg, progress=False)
     assert assembled.tensors.keys() == direct.tensors.keys() and direct.tensors
