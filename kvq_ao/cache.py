@@ -147,7 +147,7 @@ class _BodyStore:
             return x.to(self.codes.dtype), None, None, None, None, None
         bits, axis, group = _op_format(self.spec)
         if self.spec.calibrated_ranges:
-            codes, out_val, out_idx, clamped = torch.ops.kvq.quantize_fixed(
+            codes, out_val, out_idx, clamped = gpu_kernels.quantize_fixed_op(x)(
                 x, bits, self.fixed_zero, self.fixed_scale, self.codebook, self.lo, self.hi, self.n_outliers)  # fmt: skip
             return codes, None, None, out_val.to(self.out_val.dtype), out_idx, clamped
         op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)

@@ -16,8 +16,9 @@ Triton is an optional dependency (`pip install kvq_ao[gpu]`); without it CUDA ru
 The kernels are also run on CPU tensors, in Triton's interpreter: that is how they are tested on
 machines without a GPU (`on_cpu()` routes CPU calls to them; slow, for tests and dry runs only).
 `triton_quantize.py` is the append path: `kvq::triton_quantize`, bit-identical to `kvq::quantize`
-(outliers, group ranges, codes and packing in one pass), for power-of-two head_dim and group
-sizes (other shapes run the reference op).
+(outliers, group ranges, codes and packing in one pass), and `kvq::triton_quantize_fixed`, bit-
+identical to `kvq::quantize_fixed` (keys coded against calibrated ranges), for power-of-two head_dim
+and group sizes (other shapes run the reference ops).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import importlib.util
 
 import torch
 
-_STATE: dict = {"loaded": False, "cpu": False, "quantize_supported": None}
+_STATE: dict = {"loaded": False, "cpu": False, "quantize_supported": None, "quantize_fixed_supported": None}
 
 
 def available() -> bool:
@@ -40,7 +41,8 @@ def load() -> bool:
     if not _STATE["loaded"] and available():
         from kvq_ao.kernels.gpu import triton_ops  # registers the kvq::triton_* ops
 
-        _STATE.update(loaded=True, quantize_supported=triton_ops.quantize_supported)
+        _STATE.update(loaded=True, quantize_supported=triton_ops.quantize_supported,
+                      quantize_fixed_supported=triton_ops.quantize_fixed_supported)  # fmt: skip
     return _STATE["loaded"]
 
 
@@ -57,6 +59,14 @@ def quantize_op(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype
     return torch.ops.kvq.quantize
 
 
+def quantize_fixed_op(x: torch.Tensor):
+    """The op that codes x against calibrated key ranges: `kvq.triton_quantize_fixed` where the Triton
+    kernels serve x's device (power-of-two head_dim), else `kvq.quantize_fixed`."""
+    if serves(x.device) and _STATE["quantize_fixed_supported"](x):
+        return torch.ops.kvq.triton_quantize_fixed
+    return torch.ops.kvq.quantize_fixed
+
+
 @contextlib.contextmanager
 def on_cpu():
     """Within the block, CPU tensors are served by the Triton kernels in Triton's interpreter
@@ -71,4 +81,4 @@ def on_cpu():
         _STATE["cpu"] = before
 
 
-__all__ = ["available", "load", "on_cpu", "quantize_op", "serves"]
+__all__ = ["available", "load", "on_cpu", "quantize_fixed_op", "quantize_op", "serves"]

@@ -19,7 +19,8 @@ from torch.library import triton_op, wrap_triton
 
 from kvq_ao.kernels.gpu import triton_attention
 from kvq_ao.kernels.gpu import triton_quantize as triton_quantize_kernels
-from kvq_ao.ops import _check_attention, _check_quantize, _meta_shapes
+from kvq_ao.ops import _check_attention, _check_quantize, _check_quantize_fixed, _meta_shapes
+from kvq_ao.quant.packing import packed_size
 
 BLOCK_T = 64  # body tokens per step of a split program
 BLOCK_S = 32  # side entries per step of the merge program
@@ -216,4 +217,37 @@ def triton_quantize(
     return codes, scale, zero, out_val, out_idx, partial.sum()
 
 
-__all__ = ["interpreted", "quantize_supported", "triton_chunk_attention", "triton_decode_attention", "triton_quantize"]
+def quantize_fixed_supported(x: torch.Tensor) -> bool:
+    """Whether the Triton quantize_fixed serves x (its rows need a power-of-two head_dim)."""
+    return x.shape[-1] == triton.next_power_of_2(x.shape[-1])
+
+
+@triton_op("kvq::triton_quantize_fixed", mutates_args=())
+def triton_quantize_fixed(
+    x: torch.Tensor, bits: int, zero: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor, lo: torch.Tensor,
+    hi: torch.Tensor, n_outliers: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`kvq::quantize_fixed` (same arguments, bit-identical results) in Triton: x [B, H, T, D] float
+    against calibrated per-channel ranges -> (codes, outlier values, outlier indices, clamped count)."""
+    _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
+    if not quantize_fixed_supported(x):
+        raise ValueError(f"kvq.triton_quantize_fixed needs a power-of-two head_dim, got {x.shape[-1]} (use kvq.quantize_fixed)")
+    b, h, t, d = x.shape
+    x = x.contiguous()
+    codes = x.new_empty([b, h, t, packed_size(d, bits)], dtype=torch.uint8)
+    out_val = x.new_empty([b, h, t, n_outliers])
+    out_idx = x.new_empty([b, h, t, n_outliers], dtype=torch.uint8)
+    programs = triton.cdiv(b * h * t, QUANTIZE_ROWS)
+    partial = x.new_zeros([programs], dtype=torch.int64)
+    mids = (codebook[1:] + codebook[:-1]).float() * 0.5 if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
+    fixed = [t_.float().contiguous() for t_ in (lo, hi, scale, zero)]
+    _launcher(triton_quantize_kernels, "_quantize", x)[(programs,)](
+        x, fixed[0], fixed[1], mids, codes, fixed[2], fixed[3], out_val, out_idx, partial,
+        b * h * t, t, h, 1.0, 1.0, 1.0, 1.0,
+        D=d, BITS=bits, AXIS=0, GROUP=d, CODEBOOK=codebook.numel() > 0, K=n_outliers, VECTOR_OUTLIERS=False,
+        SCALE=2, ROWS=QUANTIZE_ROWS, FIXED=True,
+    )  # fmt: skip
+    return codes, out_val, out_idx, partial.sum()
+
+
+__all__ = ["interpreted", "quantize_fixed_supported", "quantize_supported", "triton_quantize_fixed", "triton_chunk_attention", "triton_decode_attention", "triton_quantize"]

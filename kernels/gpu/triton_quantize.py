@@ -8,7 +8,8 @@ over the block). In order: outliers (per-channel thresholds, or per vector: the 
 from the vector's mean) are taken out and the rest clamped; each group's stored range (zero rounded
 down and scale rounded up to the scale dtype, checked in float64, as `group_range`); codes by
 round-half-to-even (uniform) or by counting midpoints passed (codebook); planar packing
-(`kvq_ao.quant.packing`).
+(`kvq_ao.quant.packing`). With FIXED the same program serves `kvq::quantize_fixed`: rows coded
+against calibrated per-channel ranges, nothing reduced over tokens.
 
 Exactness notes: rounding to bfloat16 is done on the bits (the interpreter's float conversion
 truncates); divisions are `div_rn` (IEEE, as torch divides); round-half-to-even is the 1.5 * 2^23
@@ -60,8 +61,11 @@ def _quantize(
     x, lo_t, hi_t, mids, codes, scale_out, zero_out, out_val, out_idx, clamped,
     R, T, H, levels, fmax, eps, tiny,
     D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr, CODEBOOK: tl.constexpr,
-    K: tl.constexpr, VECTOR_OUTLIERS: tl.constexpr, SCALE: tl.constexpr, ROWS: tl.constexpr,
+    K: tl.constexpr, VECTOR_OUTLIERS: tl.constexpr, SCALE: tl.constexpr, ROWS: tl.constexpr, FIXED: tl.constexpr = False,
 ):  # fmt: skip
+    """FIXED (`kvq::quantize_fixed`): per-token rows coded against the fixed ranges zero/scale [H, D]
+    read from zero_out/scale_out (not written); entries outside lo/hi [H, D] are outliers (K slots per
+    vector) or clamped, and counted, also when K is 0."""
     pid = tl.program_id(0)
     r = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # vector index b * H * T + h * T + t
     d = tl.arange(0, D)
@@ -70,7 +74,7 @@ def _quantize(
     x_raw = tl.load(x + r[:, None] * D + d[None, :], mask=okd, other=0.0)
     xf = x_raw.to(tl.float32)
     dense = xf
-    if K > 0:
+    if K > 0 or FIXED:
         if VECTOR_OUTLIERS:  # the K entries furthest from the vector's mean (`split_vector_outliers`)
             mean = _sum(xf, 1) / D
             dist = tl.abs(xf - mean[:, None])
@@ -98,7 +102,10 @@ def _quantize(
             width = tl.maximum(hi - lo, 1.1754943508222875e-38)
             excess = tl.math.div_rn(tl.maximum(xf - hi, 0.0) + tl.maximum(lo - xf, 0.0), width)
             dense = tl.minimum(tl.maximum(xf, lo), hi)
-            n_out = _sum(((excess > 0) & okd).to(tl.int32), 1)
+            if K > 0:  # `split_outliers` judges by the excess; with no slots, `quantize_fixed` compares
+                n_out = _sum(((excess > 0) & okd).to(tl.int32), 1)
+            else:
+                n_out = _sum((((xf < lo) | (xf > hi)) & okd).to(tl.int32), 1)
             n_kept = n_out * 0
             for j in tl.static_range(K):
                 best = _max(excess, 1)
@@ -111,7 +118,12 @@ def _quantize(
                 n_kept += kept.to(tl.int32)
                 excess = tl.where(pick, -1.0, excess)
             tl.store(clamped + pid, _sum(n_out - n_kept, 0).to(tl.int64))
-    if AXIS == 0:  # per-token groups: [ROWS, D / GROUP] ranges
+    if FIXED:  # one calibrated range per head and channel
+        head = (r // T) % H
+        zero = tl.load(zero_out + head[:, None] * D + d[None, :], mask=okd, other=0.0).to(tl.float32)
+        scale = tl.load(scale_out + head[:, None] * D + d[None, :], mask=okd, other=1.0).to(tl.float32)
+        u = tl.math.div_rn(dense - zero, tl.where(scale > 0, scale, 1.0))
+    elif AXIS == 0:  # per-token groups: [ROWS, D / GROUP] ranges
         g3 = tl.reshape(dense, [ROWS, D // GROUP, GROUP])
         zero, scale = _group_range(_min(g3, 2), _max(g3, 2), levels, fmax, eps, tiny, SCALE)
         meta = r[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :]

@@ -251,11 +251,57 @@ def test_triton_quantize_refuses_shapes_its_tiles_cannot_take():
         assert gpu.quantize_op(torch.randn(1, 1, 4, 64), AXIS_TOKEN, 16, torch.float16) is torch.ops.kvq.triton_quantize
 
 
-def test_generation_through_the_triton_kernels_equals_the_native_path():
+@pytest.mark.parametrize("bits,codebook", [(2, False), (2, True), (3, False), (3, True), (4, True), (8, False)])
+@pytest.mark.parametrize("slots", [0, 1, 3])
+def test_triton_quantize_fixed_is_bit_identical_to_the_reference(bits, codebook, slots):
+    """Keys coded against calibrated per-channel ranges (`kvq.quantize_fixed`): codes, outlier slots
+    and the clamped count byte for byte, with ranges in float16 and bfloat16, odd token counts."""
+    from kvq_ao.quant.codebook import nf_codebook
+    from kvq_ao.quant.uniform import fixed_range
+
+    g = torch.Generator().manual_seed(bits * 10 + slots)
+    x = torch.randn(2, 3, 21, 64, generator=g) * 2
+    lo, hi = -1.5 - torch.rand(3, 64, generator=g), 1.0 + torch.rand(3, 64, generator=g)
+    cb = nf_codebook(bits) if codebook else torch.zeros(0)
+    for scale_dtype in (torch.float16, torch.bfloat16):
+        zero, scale = fixed_range(lo, hi, 1 if codebook else 2**bits - 1, scale_dtype)
+        got = torch.ops.kvq.triton_quantize_fixed(x, bits, zero, scale, cb, lo, hi, slots)
+        want = reference.quantize_fixed(x, bits, zero, scale, cb, lo, hi, slots)
+        assert int(want[3]) > 0  # some entries were clamped: the count is checked, not only zeros
+        for name, a, b in zip(("codes", "out_val", "out_idx", "clamped"), got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs ({scale_dtype})"
+
+
+def test_triton_quantize_fixed_checks_its_arguments_and_fake_kernel():
+    from kvq_ao.quant.uniform import fixed_range
+
+    x, lo, hi = torch.randn(1, 2, 4, 64), -torch.ones(2, 64), torch.ones(2, 64)
+    zero, scale = fixed_range(lo, hi, 7, torch.float16)
+    with pytest.raises(ValueError, match=r"fixed ranges need zero as \[heads, head_dim\]"):
+        torch.ops.kvq.triton_quantize_fixed(x, 3, zero[:1], scale, torch.zeros(0), lo, hi, 0)
+    odd = torch.randn(1, 2, 4, 48)
+    z48, s48 = fixed_range(-torch.ones(2, 48), torch.ones(2, 48), 7, torch.float16)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        torch.ops.kvq.triton_quantize_fixed(odd, 3, z48, s48, torch.zeros(0), -torch.ones(2, 48), torch.ones(2, 48), 0)
+    with gpu.on_cpu():  # the cache then uses the reference op for that shape
+        assert gpu.quantize_fixed_op(odd) is torch.ops.kvq.quantize_fixed
+        assert gpu.quantize_fixed_op(x) is torch.ops.kvq.triton_quantize_fixed
+    assert gpu.quantize_fixed_op(x) is torch.ops.kvq.quantize_fixed
+    torch.library.opcheck(torch.ops.kvq.triton_quantize_fixed.default, (x, 3, zero, scale, torch.zeros(0), lo, hi, 1),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    def arguments(op):  # name and type (an inferred int is a SymInt): the two ops are interchangeable
+        return [(a.name, re.sub(r"\bSymInt\b", "int", str(a.type))) for a in op.default._schema.arguments]
+
+    assert arguments(torch.ops.kvq.triton_quantize_fixed) == arguments(torch.ops.kvq.quantize_fixed)
+
+
+@pytest.mark.parametrize("key_ranges", ["online", "calibrated"])
+def test_generation_through_the_triton_kernels_equals_the_native_path(key_ranges):
     """quantize_kv_ and generate() unchanged, the Triton kernels serving every cache op (prefill
-    chunks, appends, decode steps) in the interpreter: the same tokens as the CPU kernels."""
+    chunks, appends, decode steps) in the interpreter: the same tokens as the CPU kernels, with
+    key ranges per block or calibrated (keys coded on arrival by `kvq.triton_quantize_fixed`)."""
     model = tiny_llama(seed=5)
-    cfg = kvquant_config(bits=3, outliers=0.02, model=model)
+    cfg = kvquant_config(bits=3, outliers=0.02, model=model, key_ranges=key_ranges)
     quantize_kv_(model, cfg)
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
@@ -282,7 +328,7 @@ def test_cpu_is_served_by_the_triton_kernels_only_when_asked():
     assert not gpu.serves(cpu)
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "kvquant-nuq3-1pct"])
+@pytest.mark.parametrize("preset", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-calibrated-ranges"])
 def test_compiled_decode_step_traces_the_triton_op_without_graph_breaks(preset):
     """A decode step of a quantized model, compiled with fullgraph=True while the Triton kernels serve
     CPU tensors: one graph, the Triton op in it once per layer, the result of the eager step (native
@@ -291,7 +337,8 @@ def test_compiled_decode_step_traces_the_triton_op_without_graph_breaks(preset):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     model = tiny_llama(seed=3)
-    cfg = KVQuantConfig.preset("kivi-2") if preset == "kivi-2" else kvquant_config(bits=3, outliers=0.02, model=model)
+    ranges = "calibrated" if preset == "kvquant-calibrated-ranges" else "online"
+    cfg = KVQuantConfig.preset("kivi-2") if preset == "kivi-2" else kvquant_config(bits=3, outliers=0.02, model=model, key_ranges=ranges)
     quantize_kv_(model, cfg)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
 
@@ -310,6 +357,9 @@ def test_compiled_decode_step_traces_the_triton_op_without_graph_breaks(preset):
     assert counter.frame_count == 1
     calls = [n for n in counter.graphs[0].graph.nodes if "triton_decode_attention" in str(n.target)]
     assert len(calls) == model.config.num_hidden_layers
+    coded = [n for n in counter.graphs[0].graph.nodes if "quantize_fixed" in str(n.target)]
+    if ranges == "calibrated":  # the new key is coded on arrival, by the Triton op
+        assert coded and all("triton_quantize_fixed" in str(n.target) for n in coded), [str(n.target) for n in coded]
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
