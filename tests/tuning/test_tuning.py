@@ -198,7 +198,6 @@ def test_tune_over_kvquant_datatypes_nf_levels_and_pre_rope_keys(tmp_path):
 
     from conftest import tiny_llama
     from kvq_ao import make_cache, quantize_kv_
-    from kvq_ao.config import LayerKV, QuantSpec
     from kvq_ao.tuning.profile import base_config, layer_spec
     from kvq_ao.tuning.tuner import default_profile_path, tune
 
