@@ -29,7 +29,7 @@ from kvq_ao.quant.codebook import dequantize_codebook, nearest_level, quantize_c
 from kvq_ao.quant.packing import pack
 from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
-from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
+from kvq_ao.quant.uniform import ONE_ROW, dequantize_uniform, quantize_uniform
 
 
 def quantize(x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype, codebook: torch.Tensor,
@@ -265,18 +265,18 @@ STREAM_SCORES = 2**22  # query rows x block positions of one block's scores (16 
 STREAM_BLOCK = (256, 8192)  # the range of body positions dequantized at once by `streaming_attention`
 
 
-def _spans_body(axis: int, group: int, t: int) -> bool:
+def _spans_body(axis: int, group: int) -> bool:
     """Whether a per-channel operand's one scale/zero row serves every position (calibrated ranges)."""
-    return axis == 1 and group >= t
+    return axis == 1 and group == ONE_ROW
 
 
 def _body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, start: int, end: int):
     """Positions [start, end) of one operand's body -> (codes, scale, zero, out_val, out_idx, group):
-    start and end on its per-channel group grid, unless one row spans the body (then it is kept
-    whole and the slice is one group)."""
+    start and end on its per-channel group grid, unless one row spans the body (ONE_ROW: the row is
+    kept whole and serves the slice as it serves the body)."""
     cut = lambda t, a, b: t[:, :, a:b] if t.dim() == 4 else t  # noqa: E731  (empty placeholders stay)
-    if _spans_body(axis, group, codes.shape[2]):
-        return cut(codes, start, end), scale, zero, cut(out_val, start, end), cut(out_idx, start, end), end - start
+    if _spans_body(axis, group):
+        return cut(codes, start, end), scale, zero, cut(out_val, start, end), cut(out_idx, start, end), group
     rows = (start // group, end // group) if axis == 1 and scale.numel() else (start, end)
     return (cut(codes, start, end), cut(scale, *rows), cut(zero, *rows), cut(out_val, start, end), cut(out_idx, start, end),
             group)  # fmt: skip
@@ -371,7 +371,7 @@ def streaming_attention(
     first = max(body_start, min(tl[2] for tl in tiles))
     last = min(max(min(tl[5], tl[7]) for tl in tiles), t)  # past every tile's causal bound and body end
     grid = math.lcm(*(group for axis, group, bits in ((k_axis, k_group, k_bits), (v_axis, v_group, v_bits))
-                      if bits and axis == 1 and not _spans_body(axis, group, t)))  # per-channel groups: slices start and end on their grid  # fmt: skip
+                      if bits and axis == 1 and not _spans_body(axis, group)))  # per-channel groups: slices start and end on their grid  # fmt: skip
     if block is None:
         block = min(max(STREAM_SCORES // (hq * min(tile, tq)), STREAM_BLOCK[0]), STREAM_BLOCK[1])
     step = max(grid, block // grid * grid)

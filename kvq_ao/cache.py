@@ -34,7 +34,7 @@ from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.rope import unrotate
-from kvq_ao.quant.uniform import fixed_range
+from kvq_ao.quant.uniform import ONE_ROW, fixed_range
 from kvq_ao.tensor import QuantizedKV
 
 _GROWTH_STEP = 256  # a dynamic cache's capacity is a multiple of this many tokens (and of its block)
@@ -116,9 +116,10 @@ class _BodyStore:
 
     def op_format(self) -> tuple[int, int, int]:
         """(bits, axis, group) the kvq ops read this body with: calibrated ranges are the per-channel
-        format with one scale/zero row for all positions (group = the capacity)."""
+        format with one scale/zero row for all positions (group ONE_ROW, whatever the capacity, so a
+        growing cache keeps one format and a compiled step its graph)."""
         if self.spec.calibrated_ranges:
-            return self.spec.bits, self.spec.axis_id, self.codes.shape[2]
+            return self.spec.bits, self.spec.axis_id, ONE_ROW
         return _op_format(self.spec)
 
     def clear(self) -> None:

@@ -32,7 +32,7 @@ def _meta_shapes(shape, bits: int, axis: int, group: int) -> tuple[list[int], li
     *lead, t, d = shape
     check_shape(t, d, axis, group)
     codes = [*lead, t, packed_size(d, bits)]
-    scale = [*lead, t, d // group] if axis == AXIS_TOKEN else [*lead, t // group, d]
+    scale = [*lead, t, d // group] if axis == AXIS_TOKEN else [*lead, t // group if group else 1, d]
     return codes, scale
 
 
@@ -98,7 +98,7 @@ def quantize_fixed(
     lo/hi [H, D]: each channel's calibrated range (entries outside it are outliers, up to n_outliers
     per vector kept exact, the rest clamped); zero/scale [H, D]: the stored range that covers it
     (`kvq_ao.quant.uniform.fixed_range`). The codes read as the per-channel format with one
-    scale/zero row for every position (`kvq.dequantize` with group = the body's length).
+    scale/zero row for every position (`kvq.dequantize` with group ONE_ROW = 0).
     """
     _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
     return reference.quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from kvq_ao import masks
 from kvq_ao.ops import ATTENTION_FIELDS, reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
-from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, fixed_range
+from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, fixed_range
 
 
 def attend(named: dict) -> torch.Tensor:
@@ -21,12 +21,12 @@ def positional(named: dict) -> tuple:
     return tuple(named[n] for n in ATTENTION_FIELDS)
 
 
-FIXED = 0  # a `group` meaning calibrated per-channel ranges: one scale/zero row for every position
+FIXED = ONE_ROW  # the `group` of calibrated per-channel ranges: one scale/zero row for every position
 
 
 def _fixed_ranges(x, bits, cb, outliers):
-    """x in the calibrated-ranges format (`kvq.quantize_fixed`), read as one per-channel group spanning
-    all T positions: per-channel ranges of +-(1.5 .. 2.5), so some entries fall outside them."""
+    """x in the calibrated-ranges format (`kvq.quantize_fixed`), read as one per-channel scale/zero row
+    for all T positions (group ONE_ROW): per-channel ranges of +-(1.5 .. 2.5), so some entries fall outside them."""
     b, h, t, d = x.shape
     spread = torch.linspace(1.5, 2.5, h * d).reshape(h, d)
     lo, hi = -spread, spread
@@ -34,7 +34,7 @@ def _fixed_ranges(x, bits, cb, outliers):
     codes, out_val, out_idx, _ = torch.ops.kvq.quantize_fixed(x, bits, zero, scale, cb if cb is not None else torch.zeros(0),
                                                               lo, hi, outliers)  # fmt: skip
     row = lambda m: m[None, :, None, :].expand(b, h, 1, d).contiguous()  # noqa: E731
-    return codes, row(scale), row(zero), out_val, out_idx, t
+    return codes, row(scale), row(zero), out_val, out_idx, ONE_ROW
 
 
 def operand(x, prefix, bits, axis, group, codebook=False, outliers=0, dtype=torch.float32) -> dict:

@@ -536,11 +536,14 @@ inline Operand make_operand(const char* name, const View& codes, const View& sca
   Operand o;
   o.bits = static_cast<int>(bits);
   o.axis = static_cast<int>(axis);
-  o.group = static_cast<int>(group);
   o.dim = static_cast<int>(dim);
   check(bits == 0 || bits == 2 || bits == 3 || bits == 4 || bits == 8, name, " bits must be 0, 2, 3, 4 or 8, got ", bits);
   check(axis == 0 || axis == 1, name, " axis must be 0 (token) or 1 (channel), got ", axis);
-  check(group > 0, name, " group must be positive, got ", group);
+  check(group > 0 || (group == 0 && axis == 1), name, " group must be positive (or 0 with the channel axis: one scale/zero row"
+        " for every position), got ", group);
+  // group 0 (calibrated key ranges): one per-channel group spanning the whole body
+  if (group == 0) group = T > 0 ? T : 1;
+  o.group = static_cast<int>(group);
   check(dim > 0 && dim <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", dim);
   check(codes.dim == 4 && codes.size(0) == B && codes.size(1) == H && codes.size(2) == T,
         name, "_codes must be [", B, ", ", H, ", ", T, ", bytes], got ", codes.shape());

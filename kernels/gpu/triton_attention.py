@@ -83,6 +83,8 @@ def _dequant(codes, scale, zero, levels, out_val, out_idx, row, t, d, ok_t, ok_d
             level = code.to(tl.float32)
         if AXIS == 0:  # per-token groups: metadata [.., T, D / GROUP]
             meta = vec[:, None] * (D // GROUP) + (d // GROUP)[None, :]
+        elif GROUP == 0:  # calibrated ranges: one row [.., 1, D] for every position
+            meta = (row + t * 0)[:, None] * D + d[None, :]
         else:  # per-channel groups of GROUP tokens: metadata [.., T / GROUP, D]
             meta = (row * (T // GROUP) + t // GROUP)[:, None] * D + d[None, :]
         s = tl.load(scale + meta, mask=ok, other=0.0).to(tl.float32)

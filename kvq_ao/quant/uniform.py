@@ -24,11 +24,17 @@ AXIS_TOKEN = 0
 AXIS_CHANNEL = 1
 
 
+ONE_ROW = 0  # the per-channel `group` of fixed (calibrated) ranges: one scale/zero row for every position
+
+
 def _grouped(x: torch.Tensor, axis: int, group: int) -> torch.Tensor:
-    """View [..., T, D] as groups: token axis -> [..., T, D/G, G]; channel -> [..., T/G, G, D]."""
+    """View [..., T, D] as groups: token axis -> [..., T, D/G, G]; channel -> [..., T/G, G, D]
+    (group ONE_ROW: [..., 1, T, D])."""
     *lead, t, d = x.shape
     if axis == AXIS_TOKEN:
         return x.reshape(*lead, t, d // group, group)
+    if group == ONE_ROW:
+        return x.reshape(*lead, 1, t, d)
     return x.reshape(*lead, t // group, group, d)
 
 
@@ -40,8 +46,10 @@ def check_shape(t: int, d: int, axis: int, group: int) -> None:
     """Raise a clear error when a [.., t, d] tensor cannot be grouped as asked."""
     if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
         raise ValueError(f"axis must be {AXIS_TOKEN} (per-token) or {AXIS_CHANNEL} (per-channel), got {axis}")
-    if group <= 0:
-        raise ValueError(f"group size must be positive, got {group}")
+    if group < 0 or (group == ONE_ROW and axis != AXIS_CHANNEL):
+        raise ValueError(f"group size must be positive (or {ONE_ROW}, one row for every position, with per-channel groups), got {group}")
+    if group == ONE_ROW:
+        return
     if axis == AXIS_TOKEN and d % group:
         raise ValueError(f"per-token group size {group} does not divide head_dim {d}")
     if axis == AXIS_CHANNEL and t % group:
@@ -135,4 +143,4 @@ def dequantize_uniform(
     return x.reshape(codes.shape).to(out_dtype)
 
 
-__all__ = ["check_shape", "dequantize_uniform", "fixed_range", "group_range", "quantize_uniform", "AXIS_CHANNEL", "AXIS_TOKEN"]
+__all__ = ["ONE_ROW", "check_shape", "dequantize_uniform", "fixed_range", "group_range", "quantize_uniform", "AXIS_CHANNEL", "AXIS_TOKEN"]
