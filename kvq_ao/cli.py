@@ -153,7 +153,7 @@ def cmd_tune(args) -> int:
     result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
                   trials=args.trials, log=_log, widths=args.widths)  # fmt: skip
     out = Path(args.out)
-    config = result.config
+    config = dataclasses.replace(result.config, name=out.stem)  # tables and evals label it by its file
     if config.calibration:  # the calibration assembled for it, kept beside the config
         calib_path = Calibration.load(config.calibration).save(out.with_suffix(".calibration.json"))
         config = dataclasses.replace(config, calibration=str(calib_path))
