@@ -2,7 +2,8 @@
 
 `decode_attention.cpp` implements `kvq::decode_attention` for the CPU dispatch key: one query
 token attending straight from the packed cache, vectorized and parallel over token chunks with a
-split-softmax merge. `load()` compiles it with torch's C++ extension tools (g++ and ninja,
+split-softmax merge. `quantize_fixed.cpp` implements `kvq::quantize_fixed`, the one-token key append
+of calibrated key ranges, in one pass per vector (its reference is a dozen ATen ops per call). `load()` compiles it with torch's C++ extension tools (g++ and ninja,
 `-O3 -march=native`, OpenMP as ATen uses it) into the user cache, keyed by the sources, torch's
 version, the compiler flags and this CPU, so it is built once per machine (~30-60 s) and loaded
 in milliseconds afterwards. Once loaded, every CPU call of the op (eager, and compiled graphs,
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("decode_attention.cpp",)
+SOURCES = ("decode_attention.cpp", "quantize_fixed.cpp")
 HEADERS = ("attention_core.h",)  # the arithmetic, shared with the ExecuTorch kernel library
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 _state: dict = {"loaded": False, "failed": None}

@@ -146,3 +146,53 @@ def test_outlier_values_in_16_bits_in_a_float32_model(outlier_dtype):
     named = native_case(8, k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1), pre_rope=True)
     named.update(k_out_val=named["k_out_val"].to(outlier_dtype), v_out_val=named["v_out_val"].to(outlier_dtype))
     check(named)
+
+
+# ----------------------------------------------------------------------------- the key append of calibrated ranges
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), bits=st.sampled_from([2, 3, 4, 8]), codebook=st.booleans(), slots=st.sampled_from([0, 1, 2, 3]),
+       d=st.sampled_from([64, 128]), t=st.integers(1, 40), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))  # fmt: skip
+def test_native_quantize_fixed_is_byte_identical_to_the_reference(seed, bits, codebook, slots, d, t, dtype, scale_dtype):
+    """`kvq.quantize_fixed` on CPU (the C++ kernel) against the reference op: codes, outlier slots and
+    the clamped count byte for byte, every width, codebook or uniform levels, 0-3 slots, model dtypes.
+    Half-precision inputs can tie for an outlier slot; the reference's top-k order among ties is
+    unspecified, so those vectors are compared by the excess of what they kept."""
+    from kvq_ao.quant.codebook import nf_codebook
+    from kvq_ao.quant.uniform import fixed_range
+
+    assert cpu.is_loaded()  # so the op below runs the C++ kernel
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 3, t, d, generator=g) * 2).to(dtype)
+    lo, hi = -1.5 - torch.rand(3, d, generator=g), 1.0 + torch.rand(3, d, generator=g)
+    cb = nf_codebook(bits) if codebook and bits <= 4 else torch.zeros(0)
+    zero, scale = fixed_range(lo, hi, 1 if cb.numel() else 2**bits - 1, scale_dtype)
+    got = torch.ops.kvq.quantize_fixed(x, bits, zero, scale, cb, lo, hi, slots)
+    want = reference.quantize_fixed(x, bits, zero, scale, cb, lo, hi, slots)
+    assert [a.dtype for a in got] == [b.dtype for b in want] and [a.shape for a in got] == [b.shape for b in want]
+    assert int(got[3]) == int(want[3])
+    same = (got[2] == want[2]).all(-1)  # vectors whose slots agree (all of them unless entries tie)
+    if dtype == torch.float32:
+        assert same.all()
+    assert torch.equal(got[0], want[0])  # codes do not depend on which of two tied entries a slot keeps
+    assert torch.equal(got[1][same], want[1][same]) and torch.equal(got[2][same], want[2][same])
+    xf = x.float()
+    excess = (xf - hi[None, :, None]).clamp(min=0) + (lo[None, :, None] - xf).clamp(min=0)
+    kept = lambda idx: excess.gather(-1, idx.long().clamp(max=d - 1)).sort(-1).values  # noqa: E731
+    torch.testing.assert_close(kept(got[2])[~same], kept(want[2])[~same])
+
+
+def test_native_quantize_fixed_serves_cpu_and_checks_its_arguments():
+    from kvq_ao.quant.uniform import fixed_range
+
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kvq::quantize_fixed", "CPU")
+    x, lo, hi = torch.randn(1, 2, 4, 64), -torch.ones(2, 64), torch.ones(2, 64)
+    zero, scale = fixed_range(lo, hi, 7, torch.float16)
+    with pytest.raises(ValueError, match=r"fixed ranges need hi as \[heads, head_dim\] = \[2, 64\]"):
+        torch.ops.kvq.quantize_fixed(x, 3, zero, scale, torch.zeros(0), lo, hi[:1], 0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        torch.ops.kvq.quantize_fixed(x, 6, zero, scale, torch.zeros(0), lo, hi, 0)
+    with pytest.raises(ValueError, match="n_outliers must be in"):
+        torch.ops.kvq.quantize_fixed(x, 3, zero, scale, torch.zeros(0), lo, hi, 65)
+    with pytest.raises(ValueError, match="codebook must hold 8 levels"):
+        torch.ops.kvq.quantize_fixed(x, 3, zero, scale, torch.linspace(0, 1, 4), lo, hi, 0)
