@@ -9,8 +9,8 @@ Sections, each printing its rows as it goes (all rows in --out, with the device,
 1. check: `kvq.triton_decode_attention` against the reference kernel (kernels/reference.py) on the
    same device, per preset format, batch 2, a length that ends mid-block, a sink and a window in the
    side store; the largest difference must be within float tolerance, else the run stops. Then
-   `kvq.triton_quantize` on a block of the preset's keys and values: byte-identical to the
-   reference quantize, else the run stops.
+   `kvq.triton_quantize` (or `kvq.triton_quantize_fixed` for calibrated key ranges) on a block of the
+   preset's keys and values: byte-identical to the reference, else the run stops.
 2. attention: one layer of SmolLM2's shape (9 query heads, 3 kv heads, head_dim 64), batch 1, at each
    --lengths: the Triton op against `scaled_dot_product_attention` on the bf16 cache (flash or
    memory-efficient backend), median of CUDA-event timings; the bytes each reads (packed codes,
@@ -24,8 +24,9 @@ Sections, each printing its rows as it goes (all rows in --out, with the device,
 
 Operands are built without a calibration (so the script needs nothing but this repository):
 a preset's widths, groups and outlier slots are its own, "nuq" levels are replaced by NormalFloat
-levels of the same width (the same kernel path: a codebook lookup), and outlier thresholds are set
-at the per-channel quantiles that make about the preset's outlier fraction.
+levels of the same width (the same kernel path: a codebook lookup), and outlier thresholds (and the
+fixed ranges of calibrated keys, read as one scale/zero row) are set at the per-channel quantiles
+that make about the preset's outlier fraction.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _operand(x: torch.Tensor, prefix: str, spec, scale_dtype: torch.dtype, dtype
     """One of K ("k") or V ("v") of x [B, H, T, D] (float32) in a QuantSpec's format, as the attention
     ops' named arguments."""
     from kvq_ao.quant.codebook import nf_codebook
-    from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+    from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, fixed_range
 
     axis = AXIS_CHANNEL if spec.axis == "channel" else AXIS_TOKEN
     fields = dict(bits=spec.bits or 0, axis=axis, group=spec.group_size, codes=x.to(dtype), scale=None, zero=None,
@@ -60,18 +61,27 @@ def _operand(x: torch.Tensor, prefix: str, spec, scale_dtype: torch.dtype, dtype
         codebook = nf_codebook(spec.bits).to(x.device) if spec.dtype != "int" else None
         slots = spec.outlier_slots(x.shape[-1])
         lo = hi = x.new_zeros(0)
-        if slots and axis == AXIS_CHANNEL:  # per-channel thresholds at the quantiles of the preset's fraction
-            sample = x[0].transpose(0, 1).reshape(-1, x.shape[1], x.shape[-1])[:4096].float()
-            lo = torch.quantile(sample, spec.outliers / 2, dim=0)
-            hi = torch.quantile(sample, 1 - spec.outliers / 2, dim=0)
-        codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
-            x, spec.bits, axis, spec.group_size, scale_dtype, codebook if codebook is not None else x.new_zeros(0),
-            lo, hi, slots,
-        )  # fmt: skip
+        if (slots and axis == AXIS_CHANNEL) or spec.calibrated_ranges:  # per-channel ranges at the quantiles of the preset's fraction
+            lo, hi = _channel_ranges(x, max(spec.outliers, 0.01))
+        levels_cb = codebook if codebook is not None else x.new_zeros(0)
+        if spec.calibrated_ranges:  # fixed ranges: codes against one scale/zero row (group ONE_ROW)
+            zero, scale = fixed_range(lo, hi, 1 if codebook is not None else 2**spec.bits - 1, scale_dtype)
+            codes, out_val, out_idx, _ = torch.ops.kvq.quantize_fixed(x, spec.bits, zero, scale, levels_cb, lo, hi, slots)
+            rows = lambda t: t[None, :, None, :].expand(x.shape[0], -1, 1, -1).contiguous()  # noqa: E731
+            scale, zero, fields["group"] = rows(scale), rows(zero), ONE_ROW
+        else:
+            codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
+                x, spec.bits, axis, spec.group_size, scale_dtype, levels_cb, lo, hi, slots)  # fmt: skip
         fields.update(codes=codes, scale=scale, zero=zero, codebook=codebook)
         if slots:
             fields.update(out_val=out_val.to(dtype), out_idx=out_idx)
     return {f"{prefix}_{name}": value for name, value in fields.items()}
+
+
+def _channel_ranges(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head, per-channel [lo, hi] [H, D] holding all but `fraction` of x's entries (as calibration would)."""
+    sample = x[0].transpose(0, 1).reshape(-1, x.shape[1], x.shape[-1])[:4096].float()
+    return torch.quantile(sample, fraction / 2, dim=0), torch.quantile(sample, 1 - fraction / 2, dim=0)
 
 
 def layer_arguments(preset: str, batch: int, length: int, capacity: int, device, dtype, seed: int = 0) -> dict:
@@ -82,7 +92,7 @@ def layer_arguments(preset: str, batch: int, length: int, capacity: int, device,
     cfg = KVQuantConfig.preset(preset)
     spec = cfg.default
     g = torch.Generator(device="cpu").manual_seed(seed)
-    key_group = spec.key.group_size if spec.key.axis == "channel" else 1
+    key_group = spec.key.group_size if spec.key.axis == "channel" and not spec.key.calibrated_ranges else 1
     capacity = -(-capacity // key_group) * key_group
     k = torch.randn(batch, HKV, capacity, D, generator=g).to(device)
     v = torch.randn(batch, HKV, capacity, D, generator=g).to(device)
@@ -192,7 +202,7 @@ def quantize_differences(preset: str, device) -> list[str]:
     from kvq_ao import KVQuantConfig
     from kvq_ao.kernels import reference
     from kvq_ao.quant.codebook import nf_codebook
-    from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+    from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, fixed_range
 
     cfg = KVQuantConfig.preset(preset)
     differing = []
@@ -204,9 +214,16 @@ def quantize_differences(preset: str, device) -> list[str]:
         vector = slots and (axis == AXIS_TOKEN and spec.outlier_rule == "vector")
         lo, hi = (x.new_zeros(0), x.new_zeros(0)) if not slots or vector else (-1.5 * x.new_ones(HKV, D), 1.5 * x.new_ones(HKV, D))
         codebook = nf_codebook(spec.bits).to(device) if spec.dtype != "int" else x.new_zeros(0)
-        args = (x, spec.bits, axis, spec.group_size, getattr(torch, cfg.scale_dtype), codebook, lo, hi, slots)
-        got, want = torch.ops.kvq.triton_quantize(*args), reference.quantize(*args)
-        fields = ("codes", "scale", "zero", "out_val", "out_idx", "clamped")
+        if spec.calibrated_ranges:  # keys coded on arrival against fixed ranges
+            lo, hi = -1.5 * x.new_ones(HKV, D), 1.5 * x.new_ones(HKV, D)
+            zero, scale = fixed_range(lo, hi, 1 if codebook.numel() else 2**spec.bits - 1, getattr(torch, cfg.scale_dtype))
+            args = (x, spec.bits, zero, scale, codebook, lo, hi, slots)
+            got, want = torch.ops.kvq.triton_quantize_fixed(*args), reference.quantize_fixed(*args)
+            fields = ("codes", "out_val", "out_idx", "clamped")
+        else:
+            args = (x, spec.bits, axis, spec.group_size, getattr(torch, cfg.scale_dtype), codebook, lo, hi, slots)
+            got, want = torch.ops.kvq.triton_quantize(*args), reference.quantize(*args)
+            fields = ("codes", "scale", "zero", "out_val", "out_idx", "clamped")
         differing += [f"{name}.{f}" for f, a, b in zip(fields, got, want) if not torch.equal(a, b)]
     return differing
 
