@@ -316,8 +316,9 @@ def streaming_attention(
     q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook, v_out_val,
     v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start: int, scaling: float,
     rope_scale: float, k_bits: int, k_axis: int, k_group: int, v_bits: int, v_axis: int, v_group: int,
-    softcap: float = 0.0, block: int | None = None, tile: int = STREAM_TILE,
-) -> torch.Tensor:  # fmt: skip
+    softcap: float = 0.0, block: int | None = None, tile: int = STREAM_TILE, position_offset: int = 0,
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`attention` for any number of queries, computed block by block (eager only: Python loop).
 
     The readable body [body_start, body_end) is cut into blocks (`block` positions, by default as
@@ -330,6 +331,12 @@ def streaming_attention(
     store comes last, each tile reading only the entries it may see. Peak memory is one block's
     float K/V and one tile's scores, never the float cache; with a bounds mask (`kvq_ao.masks`)
     never a [Tq, T] mask either.
+
+    For one shard of a longer sequence (context parallelism): body index i and side entry
+    position p are the sequence positions `position_offset` + i (+ p) for RoPE (masks, body_start
+    and body_end stay in the shard's own indices), and `with_lse` returns (out in float32, the
+    log-sum-exp of each query's scaled scores [B, Hq, Tq], -inf where it read nothing): what
+    merging shards exactly needs (`kvq_ao.context_parallel.merge_partials`).
     """
     b, hq, tq, d = q.shape
     hkv, t = k_codes.shape[1], k_codes.shape[2]
@@ -386,7 +393,7 @@ def streaming_attention(
         v = dequantize(vc, vs, vz, v_codebook, vov, voi, v_bits, v_axis, vg, torch.float32)
         positions = torch.arange(start, end, device=q.device)
         if pre_rope:
-            k = rotate(k, positions, rope_inv_freq, rope_scale)
+            k = rotate(k, positions + position_offset, rope_inv_freq, rope_scale)
         k, v = per_head(k), per_head(v)
         for i, j, lo_min, lo_max, hi_min, hi_max, end_min, end_max in readers:
             a, z = max(start, lo_min, body_start), min(end, hi_max, end_max)  # the part of the block the tile may read
@@ -398,7 +405,7 @@ def streaming_attention(
     if side_pos.numel():
         sk, sv = side_k.float(), side_v.float()
         if pre_rope:
-            sk = rotate(sk, side_pos.clamp(min=0), rope_inv_freq, rope_scale)
+            sk = rotate(sk, side_pos.clamp(min=0) + position_offset, rope_inv_freq, rope_scale)
         sk, sv = per_head(sk), per_head(sv)
         for i, j, lo_min, lo_max, hi_min, hi_max, end_min, end_max in tiles:
             pos = side_pos
@@ -408,7 +415,7 @@ def streaming_attention(
                 continue
             p = pos.index_select(0, pick)
             attend(i, j, sk.index_select(2, pick), sv.index_select(2, pick), p, (p < body_start) | (p >= ends[i:j].view(-1, 1)))
-    return acc.to(q.dtype)
+    return (acc, acc_lse) if with_lse else acc.to(q.dtype)
 
 
 __all__ = ["attention", "dequantize", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]

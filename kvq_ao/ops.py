@@ -239,6 +239,55 @@ def _attention_fake(decode: bool):
 decode_attention.register_fake(_attention_fake(decode=True))
 chunk_attention.register_fake(_attention_fake(decode=False))
 
+# Partial attention over one shard of a sequence (context parallelism): the attention ops'
+# arguments plus the shard's first sequence position, returning what an exact merge of shards
+# needs: (out float32 [B, Hq, Tq, Dv], log-sum-exp of the scaled scores float32 [B, Hq, Tq]).
+PARTIAL_SCHEMA = ATTENTION_SCHEMA.replace("float softcap=0.0) -> Tensor", "float softcap=0.0, int position_offset=0) -> (Tensor, Tensor)")
+
+
+def _partial_arguments(args: tuple, kwargs: dict, decode: bool) -> tuple[dict, int]:
+    kwargs = dict(kwargs)
+    if len(args) > len(ATTENTION_FIELDS):  # position_offset passed positionally
+        args, kwargs["position_offset"] = args[: len(ATTENTION_FIELDS)], args[len(ATTENTION_FIELDS)]
+    offset = int(kwargs.pop("position_offset", 0))
+    if offset < 0:
+        raise ValueError(f"kvq partial attention: position_offset must be >= 0, got {offset}")
+    return _check_attention(named_arguments(args, kwargs), decode=decode), offset
+
+
+def _partial_reference(args: tuple, kwargs: dict, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    named, offset = _partial_arguments(args, kwargs, decode)
+    return reference.streaming_attention(**reference_arguments(named), position_offset=offset, with_lse=True)
+
+
+@torch.library.custom_op("kvq::decode_attention_partial", mutates_args=(), schema=PARTIAL_SCHEMA)
+def decode_attention_partial(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention` over a shard whose body index 0 is sequence position `position_offset`
+    -> (out float32 [B, Hq, 1, Dv], lse float32 [B, Hq, 1]; -inf where nothing was read).
+
+    CPU runs the native kernel when it is built (the decode kernel's own split-softmax state),
+    every other device the streaming reference."""
+    return _partial_reference(args, kwargs, decode=True)
+
+
+@torch.library.custom_op("kvq::chunk_attention_partial", mutates_args=(), schema=PARTIAL_SCHEMA)
+def chunk_attention_partial(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_attention` over a shard (see `decode_attention_partial`) -> (out, lse) in float32."""
+    return _partial_reference(args, kwargs, decode=False)
+
+
+def _partial_fake(decode: bool):
+    def fake(*args, **kwargs):
+        named, _ = _partial_arguments(args, kwargs, decode)
+        q = named["q"]
+        return q.new_empty([*q.shape[:-1], named["side_v"].shape[-1]], dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    return fake
+
+
+decode_attention_partial.register_fake(_partial_fake(decode=True))
+chunk_attention_partial.register_fake(_partial_fake(decode=False))
+
 # The out variant that ExecuTorch programs call (exported with native kvq kernels, the ExecuTorch
 # kernel library in kernels/cpu/executorch_ops.cpp implements it); in PyTorch it is the
 # functional op written into `out`.
@@ -401,5 +450,6 @@ def _chunk_attention_for_inductor(*args, **kwargs):
     return run_reference(args, kwargs, target="inductor")
 
 
-__all__ = ["ATTENTION_FIELDS", "ATTENTION_SCHEMA", "chunk_attention", "decode_attention", "dequantize",
+__all__ = ["ATTENTION_FIELDS", "ATTENTION_SCHEMA", "PARTIAL_SCHEMA", "chunk_attention", "chunk_attention_partial",
+           "decode_attention", "decode_attention_partial", "dequantize",
            "enable_inductor_fusion", "named_arguments", "quantize", "quantize_fixed", "reference_arguments", "run_reference"]  # fmt: skip

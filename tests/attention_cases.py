@@ -96,8 +96,11 @@ def _rotate64(x, positions, inv_freq, scale):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def reference_attention(named):
-    """float64: build logical K/V (body in [start, end), side elsewhere) and do softmax attention."""
+def reference_attention(named, position_offset: int = 0, with_lse: bool = False):
+    """float64: build logical K/V (body in [start, end), side elsewhere) and do softmax attention.
+
+    position_offset shifts the RoPE positions (a shard of a longer sequence); with_lse also returns
+    each query's log-sum-exp of its scaled scores [B, Hq, Tq] (-inf where it sees nothing)."""
     a = reference_arguments(named)
     k = torch.ops.kvq.dequantize(a["k_codes"], a["k_scale"], a["k_zero"], a["k_codebook"], a["k_out_val"],
                                  a["k_out_idx"], a["k_bits"], a["k_axis"], a["k_group"], torch.float64)  # fmt: skip
@@ -106,11 +109,11 @@ def reference_attention(named):
     side_k, side_v, side_pos = a["side_k"].double(), a["side_v"].double(), a["side_pos"]
     t = k.shape[2]
     if a["rope_inv_freq"].numel():  # keys stored pre-RoPE: rotate every key at its own position
-        k = _rotate64(k, torch.arange(t), a["rope_inv_freq"], a["rope_scale"])
-        side_k = _rotate64(side_k, side_pos.clamp(min=0), a["rope_inv_freq"], a["rope_scale"])
+        k = _rotate64(k, torch.arange(t) + position_offset, a["rope_inv_freq"], a["rope_scale"])
+        side_k = _rotate64(side_k, side_pos.clamp(min=0) + position_offset, a["rope_inv_freq"], a["rope_scale"])
     body_start, q = a["body_start"], a["q"]
     ends = a["body_end"].reshape(-1).tolist()  # one body end for all queries, or one per query
-    outs = []
+    outs, lses = [], []
     for i in range(q.shape[2]):  # each query reads the logical K/V of its own body end
         body_end = ends[i if len(ends) > 1 else 0]
         ki, vi = k.clone(), v.clone()
@@ -127,7 +130,9 @@ def reference_attention(named):
             scores = a["softcap"] * torch.tanh(scores / a["softcap"])
         scores = scores.masked_fill(~(a["mask"][:, :, i : i + 1] & valid), float("-inf"))
         outs.append(torch.softmax(scores, -1).nan_to_num(0.0) @ vi)  # a query that sees nothing gets zeros
-    return torch.cat(outs, dim=2)
+        lses.append(torch.logsumexp(scores, -1))
+    out = torch.cat(outs, dim=2)
+    return (out, torch.cat(lses, dim=2)) if with_lse else out
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

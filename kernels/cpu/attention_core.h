@@ -272,6 +272,9 @@ struct Args {
   double scaling = 1.0, rope_scale = 1.0;
   int64_t k_bits = 0, k_axis = 0, k_group = 1, v_bits = 0, v_axis = 0, v_group = 1;
   double softcap = 0.0;
+  // Not in ATTENTION_SCHEMA: kvq::decode_attention_partial's shard start (body index 0 is this
+  // sequence position for RoPE; masks and body bounds stay in the shard's indices).
+  int64_t position_offset = 0;
 };
 
 // Bad arguments: std::invalid_argument with the pieces streamed into one message (the layers turn
@@ -878,7 +881,9 @@ inline void output_sizes(const Args& a, int64_t* sizes) {
 // every argument first (std::invalid_argument). `parallel_for(n, fn)` runs fn(begin, end) over
 // [0, n) on up to `threads` threads, each thread one contiguous range.
 template <typename ParallelFor>
-void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& parallel_for) {
+// `lse` (optional, [B * Hq]) receives each row's log-sum-exp of its scaled scores (-inf where it
+// read nothing): what merging shards of one sequence exactly needs (context parallelism).
+void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& parallel_for, float* lse = nullptr) {
   const View& q = a.q;
   check(q.dim == 4 && q.size(2) == 1, "takes one query token q [batch, heads, 1, head_dim], got ", q.shape());
   check(q.dtype == DType::Float, "q must be float32 here (the PyTorch layer converts it), got ", dtype_name(q.dtype));
@@ -974,7 +979,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
       for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
         const int count = static_cast<int>(std::min<int64_t>(kTile, t_end - t0));
         if (pre_rope)  // one table of cos/sin per tile, shared by every batch row and kv head
-          for (int i = 0; i < count; ++i) angles(t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
+          for (int i = 0; i < count; ++i) angles(a.position_offset + t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
         for (int64_t b = 0; b < B; ++b)
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             bool seen = false;
@@ -1034,7 +1039,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
             load_floats(side_k.bytes() + (bh * S + s) * D * dtype_size(side_k.dtype), side_k.dtype, D, ktile);
             load_floats(side_v.bytes() + (bh * S + s) * Dv * dtype_size(side_v.dtype), side_v.dtype, Dv, vtile);
             if (pre_rope) {
-              angles(p, inv_freq.data(), half, cos_t, sin_t);
+              angles(a.position_offset + p, inv_freq.data(), half, cos_t, sin_t);
               rotate_row(ktile, cos_t, sin_t, dk, rope_f);
             }
             score_rows(q_data + (b * Hq + hkv * n_heads) * D, nh, dk, 1, ktile, scores);
@@ -1056,6 +1061,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
     std::fill(o, o + Dv, 0.f);
     float best = kNegInf;
     for (int64_t t = 0; t < slots; ++t) best = std::max(best, maxes[t * rows + row]);
+    if (lse) lse[row] = kNegInf;
     if (best == kNegInf) continue;
     float total = 0.f;
     for (int64_t t = 0; t < slots; ++t) {
@@ -1067,6 +1073,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
       for (int64_t c = 0; c < Dv; ++c) o[c] += w * acc_t[c];
     }
     for (int64_t c = 0; c < Dv; ++c) o[c] /= total;
+    if (lse) lse[row] = best + std::log(total);
   }
 }
 
