@@ -270,7 +270,7 @@ def _spans_body(axis: int, group: int) -> bool:
     return axis == 1 and group == ONE_ROW
 
 
-def _body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, start: int, end: int):
+def body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, start: int, end: int):
     """Positions [start, end) of one operand's body -> (codes, scale, zero, out_val, out_idx, group):
     start and end on its per-channel group grid, unless one row spans the body (ONE_ROW: the row is
     kept whole and serves the slice as it serves the body)."""
@@ -282,7 +282,7 @@ def _body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, sta
             group)  # fmt: skip
 
 
-def _block_attention(q, k, v, ok, scaling: float, softcap: float):
+def block_attention(q, k, v, ok, scaling: float, softcap: float):
     """Softmax attention of queries q [B, H, R, D] over one block of keys/values [B, H, L, D]
     where `ok` [B, 1 or H, R, L] allows (None: everywhere) -> (out [B, H, R, Dv], logsumexp
     [B, H, R]); rows with nothing allowed get out 0 and logsumexp -inf. On CPU without
@@ -336,7 +336,7 @@ def streaming_attention(
     position p are the sequence positions `position_offset` + i (+ p) for RoPE (masks, body_start
     and body_end stay in the shard's own indices), and `with_lse` returns (out in float32, the
     log-sum-exp of each query's scaled scores [B, Hq, Tq], -inf where it read nothing): what
-    merging shards exactly needs (`kvq_ao.context_parallel.merge_partials`).
+    merging shards exactly needs (`kvq_ao.parallel.merge_partials`).
     """
     b, hq, tq, d = q.shape
     hkv, t = k_codes.shape[1], k_codes.shape[2]
@@ -368,7 +368,7 @@ def streaming_attention(
         if ok is not None:
             m = masks.allowed(mask[:, :, i:j], positions) if bounded else mask[:, :, i:j].index_select(-1, positions)
             allow = m & ok.view(1, 1, -1, positions.numel())  # [B, 1 or Hq, j - i, L]: broadcast over heads
-        out, lse = _block_attention(qf[:, :, i:j], keys, values, allow, scaling, softcap)
+        out, lse = block_attention(qf[:, :, i:j], keys, values, allow, scaling, softcap)
         old = acc_lse[:, :, i:j]
         total = torch.logaddexp(old, lse)
         base = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
@@ -387,8 +387,8 @@ def streaming_attention(
         readers = [tl for tl in tiles if start < min(tl[5], tl[7]) and end > max(tl[2], body_start)]
         if not readers:
             continue
-        kc, ks, kz, kov, koi, kg = _body_slice(k_codes, k_scale, k_zero, k_out_val, k_out_idx, k_axis, k_group, start, end)
-        vc, vs, vz, vov, voi, vg = _body_slice(v_codes, v_scale, v_zero, v_out_val, v_out_idx, v_axis, v_group, start, end)
+        kc, ks, kz, kov, koi, kg = body_slice(k_codes, k_scale, k_zero, k_out_val, k_out_idx, k_axis, k_group, start, end)
+        vc, vs, vz, vov, voi, vg = body_slice(v_codes, v_scale, v_zero, v_out_val, v_out_idx, v_axis, v_group, start, end)
         k = dequantize(kc, ks, kz, k_codebook, kov, koi, k_bits, k_axis, kg, torch.float32)
         v = dequantize(vc, vs, vz, v_codebook, vov, voi, v_bits, v_axis, vg, torch.float32)
         positions = torch.arange(start, end, device=q.device)

@@ -32,6 +32,7 @@ from kvq_ao.masks import dense as dense_mask
 from kvq_ao.masks import interval_bounds, is_bounds
 from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.ops import enable_inductor_fusion
+from kvq_ao.parallel.attention import ShardedKV, sharded_attention
 from kvq_ao.tensor import QuantizedKV
 from kvq_ao.tensor import attention as quantized_attention
 
@@ -52,6 +53,9 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     quantized cache (e.g. `use_cache=False`) the float path is SDPA, or the model's own eager
     attention when logits are soft-capped, since SDPA cannot cap them.
     """
+    if isinstance(key, ShardedKV):  # a context-parallel cache (kvq_ao.parallel): eager, every rank calls this
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return sharded_attention(query, key, value, attention_mask, scaling, float(softcap or 0.0)).transpose(1, 2).contiguous(), None
     if not isinstance(key, QuantizedKV):
         if softcap:
             if attention_mask is not None and is_bounds(attention_mask):

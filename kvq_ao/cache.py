@@ -552,12 +552,16 @@ class QuantizedKVCache(Cache):
             return calibration.layer(i) if calibration is not None else (None, None)
 
         if max_cache_len is None:
-            layers = [QuantizedLayer(s, calibration=layer_calib(i), reserve=reserve, **common) for i, s in enumerate(specs)]
+            layers = [self._dynamic_layer(s, calibration=layer_calib(i), reserve=reserve, **common) for i, s in enumerate(specs)]
         else:
             layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, calibration=layer_calib(i), **common)
                       for i, s in enumerate(specs)]  # fmt: skip
         super().__init__(layers=layers)
         self.config = config
+
+    def _dynamic_layer(self, spec: LayerKV, **kwargs) -> QuantizedLayer:
+        """One layer of the dynamic cache (subclasses store it differently: `kvq_ao.parallel`)."""
+        return QuantizedLayer(spec, **kwargs)
 
     @property
     def is_static(self) -> bool:

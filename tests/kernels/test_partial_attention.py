@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvq_ao import masks
-from kvq_ao.context_parallel import merge_partials
+from kvq_ao.parallel.merge import merge_partials
 from kvq_ao.kernels import cpu, reference
-from kvq_ao.ops import ATTENTION_FIELDS
+from kvq_ao.ops import ATTENTION_FIELDS, reference_arguments
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
 from attention_cases import (FORMATS, STREAM_FORMATS, TOLERANCE, expected_streaming, native_case, positional,
@@ -31,7 +31,7 @@ def shard(named: dict, start: int, stop: int) -> dict:
     for p in ("k", "v"):
         fields = [named[f"{p}_{f}"] for f in _BODY]
         present = [f if f is not None else torch.zeros(0) for f in fields]
-        sliced = reference._body_slice(*present, named[f"{p}_axis"], named[f"{p}_group"], start, stop)
+        sliced = reference.body_slice(*present, named[f"{p}_axis"], named[f"{p}_group"], start, stop)
         for name, was, now in zip(_BODY, fields, sliced[:5]):
             out[f"{p}_{name}"] = None if was is None else now
     mask = named["mask"]
@@ -77,15 +77,9 @@ def test_native_partial_decode_matches_float64(seed, k_fmt, v_fmt, ratio, d, blo
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(lse.double(), want_lse, rtol=tol, atol=tol)
     # the streaming reference (what other devices run) agrees
-    ref_out, ref_lse = reference.streaming_attention(**_reference_args(named), position_offset=offset, with_lse=True)
+    ref_out, ref_lse = reference.streaming_attention(**reference_arguments(named), position_offset=offset, with_lse=True)
     torch.testing.assert_close(ref_out.double(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(ref_lse.double(), want_lse, rtol=tol, atol=tol)
-
-
-def _reference_args(named):
-    from kvq_ao.ops import reference_arguments
-
-    return reference_arguments(named)
 
 
 def test_partial_decode_is_the_native_kernel_and_checks_its_offset():
