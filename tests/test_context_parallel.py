@@ -37,6 +37,13 @@ def run(model, cache, ids: torch.Tensor, die_at: int | None = None) -> tuple[tor
     return torch.stack(logits), tokens
 
 
+def generate(model, cache) -> list[int]:
+    ids = prompt()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=6, do_sample=False,
+                         prefill_chunk_size=CHUNK, pad_token_id=0)  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
+
+
 def prompt() -> torch.Tensor:
     return torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(7))
 
@@ -46,7 +53,9 @@ def configs(folder: Path) -> dict[str, str]:
     model = tiny_llama()
     kvq = kvquant_config(3, 0.02, key_group=32, key_slots=1, key_ranges="calibrated", model=model, folder=folder)
     kvq_online = kvquant_config(2, 0.01, key_group=32, model=model, folder=folder)
-    chosen = {"kivi-2": KVQuantConfig.preset("kivi-2"), "int4-token": KVQuantConfig.preset("int4-token"),
+    kivi, int4 = KVQuantConfig.preset("kivi-2"), KVQuantConfig.preset("int4-token")
+    mixed = kivi.with_layers([KVQuantConfig.preset("kivi-4").default, int4.default], name="mixed")  # as kvq tune writes
+    chosen = {"kivi-2": kivi, "int4-token": int4, "fp": KVQuantConfig.preset("fp"), "mixed-per-layer": mixed,
               "kvquant-3-calibrated": kvq, "kvquant-2-online": kvq_online}  # fmt: skip
     paths = {}
     for name, cfg in chosen.items():
@@ -91,6 +100,8 @@ def _worker(rank: int, world: int, init: str, out: str, paths: dict, mode: str) 
                 continue
             torch.save(logits, f"{out}/{name}-{rank}.pt")
             result[name] = {"tokens": tokens, "bytes": cache.tensor_bytes()}
+            if name == "kivi-2":  # generate() through the context-parallel cache, as users call it
+                result["generate"] = generate(model, make_context_parallel_cache(model, segment=SEGMENT))
     finally:
         Path(f"{out}/rank{rank}.json").write_text(json.dumps(result))
     if mode != "die":
@@ -165,6 +176,10 @@ def test_gloo_ranks_equal_one_process(world, cases, tmp_path):
             assert results[rank][name]["tokens"] == want_tokens, (name, rank)
             logits = torch.load(out / f"{name}-{rank}.pt")
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=f"{name} rank {rank}")
+        if name == "kivi-2":
+            model = tiny_llama()
+            quantize_kv_(model, KVQuantConfig.load(paths[name]))
+            assert all(r["generate"] == generate(model, make_cache(model)) for r in results)
         # the body is split: rank 0 does not hold it all (ranks hold about 1/world each)
         assert max(per_rank_bytes) < 0.8 * sum(per_rank_bytes), (name, per_rank_bytes)
 

@@ -34,3 +34,22 @@ def test_compiled_decode_matches_eager_quantized(smollm2, capsys):
 def test_examples_refuse_an_unknown_preset(smollm2):
     with pytest.raises(ValueError, match="unknown preset"):
         _example("quickstart").main(["--preset", "kivi-9"])
+
+
+def test_context_parallel_example_in_one_process_answers_as_the_ordinary_cache(smollm2, capsys):
+    """World size 1 (no torchrun): the example's generate() through the context-parallel cache (two
+    segments of 256 tokens) gives the ordinary cache's tokens; the multi-process runs are
+    tests/test_context_parallel.py (tiny model) and benchmarks/context_parallel.py (SmolLM2)."""
+    import torch
+
+    from kvq_ao import KVQuantConfig, load_model, make_cache, quantize_kv_
+    from kvq_ao.models import pydoc_text
+
+    out = _example("context_parallel").main(["--prompt-tokens", "700", "--max-new-tokens", "6", "--segment", "256"])
+    assert "1 rank(s), kivi-2, 700 prompt tokens" in capsys.readouterr().out and out["held"][0] > 0
+    model, tokenizer = load_model("smollm2")
+    quantize_kv_(model, KVQuantConfig.preset("kivi-2"))
+    ids = tokenizer(pydoc_text("eval"), return_tensors="pt").input_ids[:, :700]
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), cache=make_cache(model), max_new_tokens=6, do_sample=False,
+                          prefill_chunk_size=512, pad_token_id=tokenizer.pad_token_id)[0, 700:]  # fmt: skip
+    assert out["tokens"] == want.tolist()

@@ -169,7 +169,7 @@ class ContextParallelCache(QuantizedKVCache):
     Building it is a collective: every rank must build it, with the same config, calibration,
     layer count and segment, or every rank gets a ValueError naming the ranks that differ."""
 
-    def __init__(self, config, num_layers: int, group=None, segment: int = 4096, calibration=None, rope=None,
+    def __init__(self, config, num_layers: int, group=None, segment: int = 32768, calibration=None, rope=None,
                  reserve: int | None = None):  # fmt: skip
         self.plan = _plan(group, segment)
         _check_same_on_every_rank(self.plan, _fingerprint(config, num_layers, segment, calibration))
@@ -193,7 +193,7 @@ def _check_same_on_every_rank(plan: ShardPlan, fingerprint: str) -> None:
                          "build the same cache")  # fmt: skip
 
 
-def make_context_parallel_cache(model, group=None, segment: int = 4096, reserve: int | None = None) -> ContextParallelCache:
+def make_context_parallel_cache(model, group=None, segment: int = 32768, reserve: int | None = None) -> ContextParallelCache:
     """A fresh context-parallel cache for a `quantize_kv_`'d model (call on every rank)."""
     from kvq_ao.api import calibration_for, rope_for
     from kvq_ao.model_info import check_model, model_dims
