@@ -56,7 +56,7 @@ def test_import_leaves_transformers_attention_registries_unchanged():
 
 def _public_modules():
     names = ["kvq_ao", "kvq_ao.export", "kvq_ao.kernels"]
-    for package in ("kvq_ao", "kvq_ao.quant", "kvq_ao.tuning", "kvq_ao.export", "kvq_ao.kernels"):
+    for package in ("kvq_ao", "kvq_ao.quant", "kvq_ao.tuning", "kvq_ao.parallel", "kvq_ao.export", "kvq_ao.kernels"):
         pkg = importlib.import_module(package)
         names += [f"{package}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")]
     return sorted(set(names))
