@@ -18,8 +18,11 @@ Round 3 (2026-12-03, written after its rows were in): per width, the lowest deve
 model. Why the change: at 4 bits the PPL rule picks among candidates its 95% interval (+-0.3 point
 on 8 windows) cannot separate, and its pick lost 2.5x its development loss on the evaluation half;
 KL per token is the finer signal (the one `kvq tune` also uses). Both rules pick the same layouts at
-3 and 2 bits; at 4 bits KL picks the 160-token window without value outliers. Writes
-results/kvquant_compact.json and prints a table.
+3 and 2 bits; at 4 bits KL picks the 160-token window without value outliers. Round 4 (2026-12-03,
+same KL rule): each width's chosen layout with uniform key levels inside the calibrated ranges
+instead of nuq levels, added after the passkey diagnosis (docs/long_context.md) found calibrated
+ranges paired with nuq levels lose early needles; chosen, like every round, on development text.
+Writes results/kvquant_compact.json and prints a table.
 
     python experiments/kvquant_compact.py [--bits 4,3,2] [--windows 8]
 """
@@ -43,22 +46,27 @@ CANDIDATES = {
     4: [(64, 0, 2, "model", True), (64, 32, 2, "model", True), (64, 64, None, "model", True), (32, 32, None, "model", True),
         (64, 128, None, "float16", True), (64, 96, 2, "float16", True), (64, 64, 2, "float16", True),
         # round 3: the 3- and 2-bit layout (window 128 in float16, no value outliers) at 4 bits
-        (64, 128, 2, "float16", False), (64, 160, 2, "float16", False), (64, 128, None, "float16", False)],
+        (64, 128, 2, "float16", False), (64, 160, 2, "float16", False), (64, 128, None, "float16", False),
+        # round 4: the chosen layout with uniform key levels
+        (64, 160, 2, "float16", False, "int")],
     3: [(64, 0, None, "model", True), (64, 32, None, "model", True), (32, 0, None, "model", True),
-        (64, 80, None, "float16", True), (64, 64, None, "float16", True), (64, 128, None, "float16", False)],
+        (64, 80, None, "float16", True), (64, 64, None, "float16", True), (64, 128, None, "float16", False),
+        (64, 128, None, "float16", False, "int")],
     2: [(64, 0, None, "model", True), (64, 32, None, "model", True), (32, 0, None, "model", True),
-        (64, 80, None, "float16", True), (64, 64, None, "float16", True), (64, 128, None, "float16", False)],
+        (64, 80, None, "float16", True), (64, 64, None, "float16", True), (64, 128, None, "float16", False),
+        (64, 128, None, "float16", False, "int")],
 }
 
 
 def compact(bits: int, value_group: int, window: int, key_slots: int | None, side: str = "model",
-            value_outliers: bool = True) -> KVQuantConfig:  # fmt: skip
-    key = QuantSpec(bits, "channel", 128, "nuq", 0.01, max_outliers=key_slots, outlier_dtype="float16", ranges="calibrated")
+            value_outliers: bool = True, key_levels: str = "nuq") -> KVQuantConfig:  # fmt: skip
+    key = QuantSpec(bits, "channel", 128, key_levels, 0.01, max_outliers=key_slots, outlier_dtype="float16", ranges="calibrated")
     value = (QuantSpec(bits, "token", value_group, "nuq", 0.01, VALUE_OUTLIER_RULE[bits], outlier_dtype="float16")
              if value_outliers else QuantSpec(bits, "token", value_group, "nuq"))  # fmt: skip
     name = f"kvquant-{bits} cal v{value_group} w{window} k{key_slots or 1}" + ("" if side == "model" else f" side {side}")
+    name += ("" if value_outliers else " no value outliers") + ("" if key_levels == "nuq" else f" {key_levels} keys")
     return KVQuantConfig(default=LayerKV(key, value), sink_tokens=1, residual_length=window, pre_rope_keys=True,
-                         side_dtype=side, name=name + ("" if value_outliers else " no value outliers"))  # fmt: skip
+                         side_dtype=side, name=name)  # fmt: skip
 
 
 def choose_by_ppl(rows: list[dict]) -> dict:
@@ -83,8 +91,9 @@ def main() -> None:
     rows = load_dev_rows(args.out)  # resumed: rows kept
     folder = Path("/tmp/kvq-compact")
     for bits in widths:
-        for value_group, window, slots, side, value_outliers in CANDIDATES[bits]:
-            cfg = compact(bits, value_group, window, slots, side, value_outliers)
+        for value_group, window, slots, side, value_outliers, *levels in CANDIDATES[bits]:
+            key_levels = levels[0] if levels else "nuq"
+            cfg = compact(bits, value_group, window, slots, side, value_outliers, key_levels)
             budget = estimate(cfg, 30, 3, 64, 4096).bits_per_element
             if budget > BUDGET[bits]:
                 raise SystemExit(f"{cfg.name}: {budget:.2f} bits per element, over the {BUDGET[bits]} budget")
@@ -92,7 +101,7 @@ def main() -> None:
                 continue
             rows.append(calibrated_dev_row(model, dev, acts, cfg, folder / f"{cfg.name.replace(' ', '-')}.json", bits=bits,
                                            value_group=value_group, fp_window=window, key_slots=slots or 1, side_dtype=side,
-                                           value_outliers=value_outliers))  # fmt: skip
+                                           value_outliers=value_outliers, key_levels=key_levels))  # fmt: skip
             save_dev_rows(args.out, rows)
     widths_run = sorted({r["bits"] for r in rows}, reverse=True)
     chosen = {b: choose([r for r in rows if r["bits"] == b]) for b in widths_run}
@@ -100,7 +109,8 @@ def main() -> None:
     print_dev_table("development text: compact kvquant layouts (calibrated key ranges, float16 outliers)", rows,
                     {"bits": lambda r: str(r["bits"]), "value group": lambda r: str(r["value_group"]),
                      "window": lambda r: str(r["fp_window"]), "key slots": lambda r: str(r["key_slots"]),
-                     "side": lambda r: r.get("side_dtype", "model"), "value outliers": lambda r: "no" if r.get("value_outliers") is False else "1%"},
+                     "side": lambda r: r.get("side_dtype", "model"), "value outliers": lambda r: "no" if r.get("value_outliers") is False else "1%",
+                     "key levels": lambda r: r.get("key_levels", "nuq")},
                     {"bits/elem @4096": lambda r: f"{r['avg_bits_at_4096']:.2f}",
                      "PPL rule": lambda r: "yes" if by_ppl[r["bits"]] is r else "",
                      "chosen (KL)": lambda r: "yes" if chosen[r["bits"]] is r else ""})  # fmt: skip

@@ -405,6 +405,7 @@ class KVQuantLayout:
     window: int  # recent tokens kept in full precision (plus one sink token)
     key_slots: int | None  # outlier slots per key vector (None: ceil(1% x head_dim))
     value_group: int = 64  # channels per value scale/zero (64 = one per vector at head_dim 64)
+    key_levels: str = "nuq"  # "nuq": calibrated levels; "int": uniform levels inside the calibrated ranges
 
 
 # Chosen on development text by experiments/kvquant_compact.py (results/kvquant_compact.json: the
@@ -414,23 +415,26 @@ class KVQuantLayout:
 # outlier values and the full-precision window are float16. What decided most: the window (3 bits:
 # 0 tokens +10.3%, 32 +2.9%, 128 +1.3% on development text); at every width a longer float16 window
 # without value outliers beat a shorter one with them (KL 0.0125 vs 0.0170 at 3 bits, 0.0034 vs
-# 0.0055 at 4 bits); at 4 bits two key outlier slots (KL 0.0039 vs 0.0050 with one).
+# 0.0055 at 4 bits); at 4 bits two key outlier slots (KL 0.0039 vs 0.0050 with one). Keys: inside
+# calibrated per-channel ranges, uniform levels served better than calibrated nuq levels at 4 bits
+# (KL 0.0020 vs 0.0034) and as well at 3 (0.0123 vs 0.0125); nuq keys with calibrated ranges also
+# lost passkeys at the start of the prompt (docs/long_context.md). Values keep nuq levels.
 KVQUANT_LAYOUT: dict[int, KVQuantLayout] = {
-    4: KVQuantLayout(window=160, key_slots=2),
-    3: KVQuantLayout(window=128, key_slots=None),
+    4: KVQuantLayout(window=160, key_slots=2, key_levels="int"),
+    3: KVQuantLayout(window=128, key_slots=None, key_levels="int"),
     2: KVQuantLayout(window=128, key_slots=None),
 }
 
 
 def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
-    """KVQuant: pre-RoPE keys with calibrated per-channel ranges and calibrated nuq levels, per-token
-    values with one scale/zero per vector, an attention sink and a float16 full-precision window
-    (`KVQUANT_LAYOUT`). The -1pct presets keep 1% of key entries exact (values keep none: a longer
+    """KVQuant: pre-RoPE keys with calibrated per-channel ranges (uniform or calibrated nuq levels
+    inside them, per width), per-token values with calibrated nuq levels and one scale/zero per
+    vector, an attention sink and a float16 full-precision window (`KVQUANT_LAYOUT`). The -1pct presets keep 1% of key entries exact (values keep none: a longer
     window served better, see KVQUANT_LAYOUT), judged by calibrated channel thresholds, which are also the keys' ranges; without outliers
     each channel's range is its calibration min/max (the same layout, KVQuant's "no outliers" ablation).
     """
     layout = KVQUANT_LAYOUT[bits]
-    key = QuantSpec(bits, "channel", 128, "nuq", outliers, max_outliers=layout.key_slots if outliers else None,
+    key = QuantSpec(bits, "channel", 128, layout.key_levels, outliers, max_outliers=layout.key_slots if outliers else None,
                     outlier_dtype="float16", ranges="calibrated")  # fmt: skip
     value = QuantSpec(bits, "token", layout.value_group, "nuq", outlier_dtype="float16")  # float16 as the keys', should outliers be added
     return KVQuantConfig(

@@ -46,7 +46,10 @@ def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: in
         if side_dtype != "model":
             raise ValueError("side_dtype: the kvquant base keeps its presets' float16 side store; leave it at 'model'")
         preset = KVQuantConfig.preset("kvquant-4-1pct")
-        return dataclasses.replace(preset, name="tune-base-kvquant", calibration=None)
+        # nuq key levels at every width, KVQuant's datatype, as every tuned kvquant config in results/
+        # was made (the 3/4-bit presets hold uniform key levels inside the same calibrated ranges).
+        key = dataclasses.replace(preset.default.key, dtype="nuq")
+        return dataclasses.replace(preset, default=LayerKV(key, preset.default.value), name="tune-base-kvquant", calibration=None)
     bits = 8 if dtype == "int" else 4  # never used (each layer gets its pair); codebooks stop at 4 bits
     return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens, pre_rope_keys=pre_rope_keys, side_dtype=side_dtype,
                          default=LayerKV(QuantSpec(bits, "channel", group_size, dtype), QuantSpec(bits, "token", group_size, dtype)),
