@@ -9,7 +9,9 @@ the key's digits appear in the first `--answer-tokens` generated tokens.
 
 The intro and the question follow the passkey prompt of Landmark Attention / LongLoRA that KVQuant
 uses. Filler: the held-out half of pydoc's topics (the text every quality figure here uses),
-from its start, the same for every trial; it was fixed before any result was seen. Trials of one
+from its start, the same for every trial; it was fixed before any result was seen. `--filler dev`
+takes the development text instead (pydoc's calibration half after the calibration tokens, as the
+preset-layout experiments use), for choices that must not be made on the held-out prompts. Trials of one
 cell share the filler before the needle: that prefix is prefilled once and its cache copied.
 
 Rows are appended to the results file as they finish; `--resume` skips the cells already there,
@@ -37,6 +39,7 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
          "I will quiz you about the important information there.\n\n")  # fmt: skip
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+DEV_SKIP = 16 * 512  # the calibration tokens `kvq calibrate` reads from the start of pydoc's calibration half
 
 
 def _config(name: str):
@@ -52,13 +55,18 @@ def _label(name: str) -> str:
 class Prompts:
     """Token ids of the prompt's pieces; the filler is cut so the whole prompt is `length` tokens."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, filler: str = "eval"):
         from kvq_ao.models import pydoc_text
 
         self.tok = tokenizer
         self.intro = self._ids(INTRO)
         self.question = self._ids(QUESTION)
-        self.filler = self._ids(pydoc_text("eval"))
+        if filler == "eval":
+            self.filler = self._ids(pydoc_text("eval"))
+        elif filler == "dev":
+            self.filler = self._ids(pydoc_text("calib"))[DEV_SKIP:]
+        else:
+            raise ValueError(f"filler must be 'eval' or 'dev', got {filler!r}")
 
     def _ids(self, text: str) -> torch.Tensor:
         return self.tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
@@ -101,7 +109,7 @@ def run_config(name: str, args, done: set, out_path: Path) -> None:
     model, tokenizer = smollm2(args.threads)
     if name != "fp":
         quantize_kv_(model, _config(name))
-    prompts = Prompts(tokenizer)
+    prompts = Prompts(tokenizer, args.filler)
     label = _label(name)
     for length in [int(x) for x in args.lengths.split(",")]:
         for depth in [int(x) for x in args.depths.split(",")]:
@@ -156,6 +164,8 @@ def main() -> None:
     p.add_argument("--answer-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/passkey.jsonl")
+    p.add_argument("--filler", choices=["eval", "dev"], default="eval",
+                   help="eval: pydoc's held-out half (every reported table); dev: development text for choices")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out and skip their cells")
     args = p.parse_args()
     out = Path(args.out)
