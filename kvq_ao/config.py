@@ -417,11 +417,13 @@ class KVQuantLayout:
 # without value outliers beat a shorter one with them (KL 0.0125 vs 0.0170 at 3 bits, 0.0034 vs
 # 0.0055 at 4 bits); at 4 bits two key outlier slots (KL 0.0039 vs 0.0050 with one). Keys: inside
 # calibrated per-channel ranges, uniform levels served better than calibrated nuq levels at 4 bits
-# (KL 0.0020 vs 0.0034) and as well at 3 (0.0123 vs 0.0125); nuq keys with calibrated ranges also
-# lost passkeys at the start of the prompt (docs/long_context.md). Values keep nuq levels.
+# (KL 0.0020 vs 0.0034; the nuq-key 4-bit preset also lost passkeys at the start of the prompt,
+# docs/long_context.md). At 3 bits the KL tied (0.0123 vs 0.0125) and development passkeys broke the
+# tie for nuq keys (13 vs 12 of 30, round 5 in docs/kvquant.md); at 2 bits nuq won (0.048 vs 0.146).
+# Values keep nuq levels.
 KVQUANT_LAYOUT: dict[int, KVQuantLayout] = {
     4: KVQuantLayout(window=160, key_slots=2, key_levels="int"),
-    3: KVQuantLayout(window=128, key_slots=None, key_levels="int"),
+    3: KVQuantLayout(window=128, key_slots=None),
     2: KVQuantLayout(window=128, key_slots=None),
 }
 
