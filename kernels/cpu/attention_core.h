@@ -51,6 +51,13 @@ constexpr int kMaxHeadDim = 256;     // per-tile buffers are sized for this
 // L1's sets, and a tile of keys and one of values would evict each other (measured 1.5x slower).
 constexpr int kRow = kMaxHeadDim + 16;
 constexpr int kMaxGroupHeads = 64;   // query heads per kv head
+// Lanes of the widest float register: the hot loops' 16-lane blocks keep 8-16 accumulators, which
+// fit AVX-512's 32 registers but spill on AVX2's 16 (measured 2x slower on a Zen 3 there).
+#if defined(__AVX512F__)
+constexpr int kWide = 16;
+#else
+constexpr int kWide = 8;
+#endif
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -80,6 +87,14 @@ template <int N> inline typename Vec<N>::i bytesv(const uint8_t* p) {  // N byte
 #endif
 #if defined(__AVX2__)
   if constexpr (N == 8) return reinterpret_cast<typename Vec<N>::i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  if constexpr (N == 16) {  // two AVX2 registers (the lane loop below stays scalar: measured 2-3x slower)
+    typename Vec<N>::i v;
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    std::memcpy(&v, &lo, sizeof(lo));
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+    return v;
+  }
 #endif
   typename Vec<N>::i v;
   for (int l = 0; l < N; ++l) v[l] = p[l];
@@ -109,6 +124,8 @@ inline v8f fold16(Vec<16>::f v) {
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
   return lo + hi;
 }
+inline v8f fold16(v8f v) { return v; }  // already 8 lanes
+
 // out[r] = sum of the lanes of a[r], r < 8.
 inline void hsum8x8(const v8f* a, float* out) {
 #if defined(__AVX2__)
@@ -504,7 +521,8 @@ struct Operand {
     auto at = [](const float* p, int c) { return SCALED ? p + c : p; };
     if constexpr (BITS == 8) {
       int c = 0;
-      for (; c + 16 <= dim; c += 16) emit<16, CB, SCALED>(bytesv<16>(src + c), out + c, at(sc, c), at(zc, c));
+      if constexpr (kWide == 16)
+        for (; c + 16 <= dim; c += 16) emit<16, CB, SCALED>(bytesv<16>(src + c), out + c, at(sc, c), at(zc, c));
       for (; c + 8 <= dim; c += 8) emit<8, CB, SCALED>(bytesv<8>(src + c), out + c, at(sc, c), at(zc, c));
       for (; c < dim; ++c) out[c] = SCALED ? level1(src[c]) * sc[c] + zc[c] : level1(src[c]);
     } else {
@@ -518,7 +536,8 @@ struct Operand {
         for (int i = 0; i < planes; ++i) emit<N, CB, SCALED>((word >> (i * BITS)) & mask, out + i * P + j, at(sc, i * P + j), at(zc, i * P + j));
       };
       int j = 0;
-      for (; j + 16 <= P; j += 16) words(std::integral_constant<int, 16>{}, j);
+      if constexpr (kWide == 16)
+        for (; j + 16 <= P; j += 16) words(std::integral_constant<int, 16>{}, j);
       for (; j + 8 <= P; j += 8) words(std::integral_constant<int, 8>{}, j);
       for (; j < P; ++j) {
         int32_t word = src[j];
@@ -704,7 +723,8 @@ inline int accumulate_blocks(float* acc, float correction, const float* w, int g
 }
 
 inline void accumulate(float* acc, float correction, const float* w, int group, const float* values, int count, int dv) {
-  int c = accumulate_blocks<16>(acc, correction, w, group, values, count, dv, 0);
+  int c = 0;
+  if constexpr (kWide == 16) c = accumulate_blocks<16>(acc, correction, w, group, values, count, dv, c);
   c = accumulate_blocks<8>(acc, correction, w, group, values, count, dv, c);
   for (; c < dv; ++c) {
     const float* wr = w + c / group * kTile;
@@ -714,14 +734,14 @@ inline void accumulate(float* acc, float correction, const float* w, int group, 
   }
 }
 
-// Eight dot products of q with rows k, k + kRow, ... (dim a multiple of 16).
+// Eight dot products of q with rows k, k + kRow, ... (dim a multiple of kWide).
 inline void dot8(const float* q, const float* k, int dim, float* out) {
-  typedef Vec<16>::f vf;
+  typedef Vec<kWide>::f vf;
   vf a[8];
-  for (int r = 0; r < 8; ++r) a[r] = splatv<16>(0.f);
-  for (int c = 0; c < dim; c += 16) {
-    const vf qv = loadv<16>(q + c);
-    for (int r = 0; r < 8; ++r) a[r] += qv * loadv<16>(k + r * kRow + c);
+  for (int r = 0; r < 8; ++r) a[r] = splatv<kWide>(0.f);
+  for (int c = 0; c < dim; c += kWide) {
+    const vf qv = loadv<kWide>(q + c);
+    for (int r = 0; r < 8; ++r) a[r] += qv * loadv<kWide>(k + r * kRow + c);
   }
   v8f h[8];
   for (int r = 0; r < 8; ++r) h[r] = fold16(a[r]);
@@ -735,7 +755,7 @@ inline void score_rows(const float* q, int n_heads, int dim, int count, const fl
     const float* qh = q + h * dim;
     float* sh = scores + h * kTile;
     int i = 0;
-    if (dim % 16 == 0)
+    if (dim % kWide == 0)
       for (; i + 8 <= count; i += 8) dot8(qh, keys + i * kRow, dim, sh + i);
     if (dim % 8 == 0)
       for (; i + 4 <= count; i += 4) dot4(qh, keys + i * kRow, dim, sh + i);
@@ -819,7 +839,7 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
     score_rows(tmp.qs, n_heads, dim, end - i, lv + i * kRow, scores + i);
     for (int h = 0; h < n_heads; ++h)
       for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
-    for (int j = i; j < end; ++j)
+    for (int j = i; n_out && j < end; ++j)
       for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
         const float delta = exact - (tmp.scale[d] * lv[j * kRow + d] + tmp.zero[d]);
         for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
@@ -860,7 +880,7 @@ void Operand::direct_accumulate(float* acc, float correction, const float* probs
   accumulate(acc, correction, w, group, lv, count, dim);
   for (int g = 0; g < groups; ++g)
     for (int c = g * group; c < (g + 1) * group; ++c) acc[c] += zsum[g];
-  for (int j = 0; j < count; ++j) {
+  for (int j = 0; n_out && j < count; ++j) {
     if (probs[j] == 0.f) continue;
     for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
       const int g = d / group;
