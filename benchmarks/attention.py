@@ -14,8 +14,9 @@ generating model would hold at that length. Variants:
   (codebook -> uniform levels, no outliers, post-RoPE keys): same bytes, so the differences say
   where the time goes.
 
-Each row: median ms over `--repeats` calls after a warm-up, the bytes the cache holds (what a
-kernel must read: codes, scales, outliers, the full-precision side store), and the time those
+Each row: median ms over `--repeats` calls after a warm-up, the bytes a kernel must read (the
+filled rows of codes, scales and outliers, the full-precision side store, the mask; not the spare
+capacity the cache holds beyond them), and the time those
 bytes take at the memory bandwidth measured in the same run (a large `copy_`), i.e. the floor a
 bandwidth-bound kernel would reach. Rows in results/attention.json.
 
@@ -83,6 +84,27 @@ def op_args(layer, q: torch.Tensor) -> dict:
     return attention_arguments(q, keys, values, mask, D**-0.5)
 
 
+def bytes_read(op: dict) -> int:
+    """Bytes of the op's cache tensors a decode step reads: the body up to `body_end` (the layer's
+    spare capacity beyond it is held but never read), the whole side store, outliers and scales of
+    the filled rows."""
+    capacity, filled = op["k_codes"].shape[2], int(op["body_end"])
+    total = 0
+    for name, t in op.items():
+        if not isinstance(t, torch.Tensor) or name in ("q", "body_end", "rope_inv_freq"):
+            continue
+        size = t.numel() * t.element_size()
+        rows = t.shape[-1] if name == "mask" else t.shape[2] if t.dim() == 4 else None
+        if name.startswith(("side_", "k_codebook", "v_codebook")) or rows is None:
+            total += size
+        elif rows == capacity:  # one row per position
+            total += size * filled // capacity
+        else:  # one row per group of positions (per-channel key scales)
+            group = capacity // rows
+            total += size * -(-filled // group) // rows
+    return total
+
+
 ABLATIONS = {  # what the profile takes away: the op's arguments without one feature
     "no-codebook": lambda a: {**a, "k_codebook": None, "v_codebook": None},
     "no-outliers": lambda a: {**a, "k_out_val": None, "k_out_idx": None, "v_out_val": None, "v_out_idx": None},
@@ -130,8 +152,8 @@ def main() -> None:
             k = v = None  # free the float cache before the quantized ones are built
         for preset in args.presets.split(","):
             layer = filled_layer(model, preset, n)
-            held = layer.tensor_bytes()
             op = op_args(layer, q)
+            held = bytes_read(op)
             layer = None
             with torch.no_grad():
                 if "native" in variants:
