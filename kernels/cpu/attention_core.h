@@ -702,6 +702,16 @@ inline int accumulate_blocks(float* acc, float correction, const float* w, int g
       b[k] = splatv<N>(0.f);
     }
     int j = 0;
+    if (wr[0] == wr[3]) {  // the block lies in one group: one broadcast weight per token
+      for (; j + 2 <= count; j += 2) {
+        const float* v = values + j * kRow + c;
+        const vf w0 = splatv<N>(wr[0][j]), w1 = splatv<N>(wr[0][j + 1]);
+        for (int k = 0; k < 4; ++k) {
+          a[k] += w0 * loadv<N>(v + k * N);
+          b[k] += w1 * loadv<N>(v + kRow + k * N);
+        }
+      }
+    }
     for (; j + 2 <= count; j += 2) {
       const float* v = values + j * kRow + c;
       for (int k = 0; k < 4; ++k) {
