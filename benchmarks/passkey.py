@@ -39,7 +39,6 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
          "I will quiz you about the important information there.\n\n")  # fmt: skip
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
-DEV_SKIP = 16 * 512  # the calibration tokens `kvq calibrate` reads from the start of pydoc's calibration half
 
 
 def _config(name: str):
@@ -56,7 +55,7 @@ class Prompts:
     """Token ids of the prompt's pieces; the filler is cut so the whole prompt is `length` tokens."""
 
     def __init__(self, tokenizer, filler: str = "eval"):
-        from kvq_ao.models import pydoc_text
+        from kvq_ao.models import CALIBRATION_TOKENS, pydoc_text
 
         self.tok = tokenizer
         self.intro = self._ids(INTRO)
@@ -64,7 +63,7 @@ class Prompts:
         if filler == "eval":
             self.filler = self._ids(pydoc_text("eval"))
         elif filler == "dev":
-            self.filler = self._ids(pydoc_text("calib"))[DEV_SKIP:]
+            self.filler = self._ids(pydoc_text("calib"))[CALIBRATION_TOKENS:]
         else:
             raise ValueError(f"filler must be 'eval' or 'dev', got {filler!r}")
 

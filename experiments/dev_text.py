@@ -17,15 +17,14 @@ import torch
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibration import calibrate, collect
 from kvq_ao.eval import evaluate
-from kvq_ao.models import load_model, pydoc_text, text_windows
+from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN, development_ids, load_model, pydoc_text, text_windows
 
 TARGETS = {4: 0.005, 3: 0.03, 2: 0.15}  # the PPL-loss targets for kvquant-B-1pct
-CALIB_SAMPLES, CALIB_LEN = 16, 512  # what `kvq calibrate` uses: the first 8192 tokens of the half
 DEV_TEXT = "pydoc calib half after the calibration tokens"
 
 
 def dev_windows(tok, n: int, length: int) -> torch.Tensor:
-    ids = tok(pydoc_text("calib"), return_tensors="pt").input_ids[0][CALIB_SAMPLES * CALIB_LEN :]
+    ids = development_ids(tok)
     if ids.numel() < n * length:
         raise ValueError(f"development text has {ids.numel()} tokens, fewer than {n} x {length}")
     return ids[: n * length].reshape(n, length)
@@ -38,7 +37,7 @@ def dev_setup(threads: int, windows: int = 8):
     torch.set_num_threads(threads)
     model, tok = load_model("smollm2")
     dev = dev_windows(tok, windows, 1025)
-    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIB_SAMPLES, CALIB_LEN), pre_rope=True)
+    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN), pre_rope=True)
     return model, dev, acts
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from kvq_ao.config import SIDE_DTYPES
 from kvq_ao.demo import DEFAULT_BUDGET, DEFAULT_CONFIGS
 from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
+from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN
 
 
 def _add_model_only_args(p: argparse.ArgumentParser) -> None:
@@ -306,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", default=None, help="artifact path (.json + .safetensors); default: the user cache")
     p.add_argument("--text-file", default=None, help="calibrate on this UTF-8 text instead of pydoc's calibration half")
-    p.add_argument("--samples", type=int, default=16, help="calibration sequences")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--samples", type=int, default=CALIBRATION_SAMPLES, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=CALIBRATION_SEQ_LEN, help="tokens per calibration sequence")
     p.add_argument("--unweighted", action="store_true", help="plain k-means (no Fisher weights), for ablations")
     p.add_argument("--qnorm", action="store_true", help="Q-Norm: match the dequantized mean/std to the original")
     p.set_defaults(func=cmd_calibrate)

@@ -100,6 +100,18 @@ def pydoc_text(split: str = "eval") -> str:
     return "\n\n".join(topics[n] for n in chosen)
 
 
+# What calibration reads by default (`kvq calibrate`, `calibrate()`): the first 16 x 512 tokens of the
+# calibration half. The rest of that half is development text: knobs are chosen on it, so that neither
+# the calibration samples nor the evaluation half decide them.
+CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN = 16, 512
+CALIBRATION_TOKENS = CALIBRATION_SAMPLES * CALIBRATION_SEQ_LEN
+
+
+def development_ids(tokenizer) -> torch.Tensor:
+    """Token ids of the calibration half after the default calibration samples (development text)."""
+    return tokenizer(pydoc_text("calib"), return_tensors="pt").input_ids[0][CALIBRATION_TOKENS:]
+
+
 def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.Tensor:
     """[n, window_len] token ids: consecutive, non-overlapping windows from the start of text."""
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
@@ -109,4 +121,4 @@ def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.T
     return ids[: n * window_len].reshape(n, window_len)
 
 
-__all__ = ["cache_dir", "load_model", "pydoc_text", "resolve_model_path", "text_windows", "PACKAGED"]
+__all__ = ["CALIBRATION_SAMPLES", "CALIBRATION_SEQ_LEN", "CALIBRATION_TOKENS", "cache_dir", "development_ids", "load_model", "pydoc_text", "resolve_model_path", "text_windows", "PACKAGED"]
