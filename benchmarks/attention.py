@@ -95,7 +95,7 @@ def bytes_read(op: dict) -> int:
             continue
         size = t.numel() * t.element_size()
         rows = t.shape[-1] if name == "mask" else t.shape[2] if t.dim() == 4 else None
-        if name.startswith(("side_", "k_codebook", "v_codebook")) or rows is None:
+        if name.startswith("side_") or rows is None:  # read whole (codebooks have no rows)
             total += size
         elif rows == capacity:  # one row per position
             total += size * filled // capacity

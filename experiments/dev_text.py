@@ -17,7 +17,7 @@ import torch
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibration import calibrate, collect
 from kvq_ao.eval import evaluate
-from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN, development_ids, load_model, pydoc_text, text_windows
+from kvq_ao.models import calibration_windows, development_ids, load_model
 
 TARGETS = {4: 0.005, 3: 0.03, 2: 0.15}  # the PPL-loss targets for kvquant-B-1pct
 DEV_TEXT = "pydoc calib half after the calibration tokens"
@@ -37,7 +37,7 @@ def dev_setup(threads: int, windows: int = 8):
     torch.set_num_threads(threads)
     model, tok = load_model("smollm2")
     dev = dev_windows(tok, windows, 1025)
-    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN), pre_rope=True)
+    acts = collect(model, calibration_windows(tok), pre_rope=True)
     return model, dev, acts
 
 

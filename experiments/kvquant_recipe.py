@@ -30,7 +30,7 @@ from dev_text import DEV_TEXT, TARGETS, dev_windows, kept_rows
 from kvq_ao import KVQuantConfig
 from kvq_ao.calibration import calibrate, collect
 from kvq_ao.eval import evaluate
-from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN, load_model, pydoc_text, text_windows
+from kvq_ao.models import calibration_windows, load_model
 
 SINKS = (1, 5)
 WINDOWS = (0, 32, 128)
@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2")
     dev = dev_windows(tok, args.windows, args.window_len)
-    acts = collect(model, text_windows(tok, pydoc_text("calib"), CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN), pre_rope=True)
+    acts = collect(model, calibration_windows(tok), pre_rope=True)
     widths = [int(b) for b in args.bits.split(",")]
     rows, chosen = kept_rows(args.out, widths)
     for bits in widths:

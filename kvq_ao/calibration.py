@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.model_info import check_model, model_dims, rotary_of
-from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN, cache_dir, pydoc_text, text_windows
+from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN, cache_dir, calibration_windows, pydoc_text, text_windows
 from kvq_ao.quant.rope import rotate
 from kvq_ao.quant.codebook import normalize
 from kvq_ao.quant.outliers import split_vector_outliers
@@ -436,7 +436,7 @@ def calibrate_missing(model, configs: list[KVQuantConfig], log=lambda msg: print
     for pre_rope in sorted({c.pre_rope_keys for c in missing}):
         group = [c for c in missing if c.pre_rope_keys == pre_rope]
         log(f"kvq_ao: calibrating {', '.join(c.name for c in group)} on pydoc calibration text (once; saved to the user cache)")
-        activations = collect(model, text_windows(tokenizer, pydoc_text("calib"), CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN), pre_rope)
+        activations = collect(model, calibration_windows(tokenizer), pre_rope)
         for config in group:
             calibrate(model, None, config, activations=activations).save(default_path(model, config))
     return [c.name for c in missing]

@@ -107,6 +107,11 @@ CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN = 16, 512
 CALIBRATION_TOKENS = CALIBRATION_SAMPLES * CALIBRATION_SEQ_LEN
 
 
+def calibration_windows(tokenizer) -> torch.Tensor:
+    """The default calibration samples: [CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN] token ids."""
+    return text_windows(tokenizer, pydoc_text("calib"), CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN)
+
+
 def development_ids(tokenizer) -> torch.Tensor:
     """Token ids of the calibration half after the default calibration samples (development text)."""
     return tokenizer(pydoc_text("calib"), return_tensors="pt").input_ids[0][CALIBRATION_TOKENS:]
@@ -121,4 +126,4 @@ def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.T
     return ids[: n * window_len].reshape(n, window_len)
 
 
-__all__ = ["CALIBRATION_SAMPLES", "CALIBRATION_SEQ_LEN", "CALIBRATION_TOKENS", "cache_dir", "development_ids", "load_model", "pydoc_text", "resolve_model_path", "text_windows", "PACKAGED"]
+__all__ = ["CALIBRATION_SAMPLES", "CALIBRATION_SEQ_LEN", "CALIBRATION_TOKENS", "cache_dir", "calibration_windows", "development_ids", "load_model", "pydoc_text", "resolve_model_path", "text_windows", "PACKAGED"]

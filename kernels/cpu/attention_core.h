@@ -87,14 +87,6 @@ template <int N> inline typename Vec<N>::i bytesv(const uint8_t* p) {  // N byte
 #endif
 #if defined(__AVX2__)
   if constexpr (N == 8) return reinterpret_cast<typename Vec<N>::i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  if constexpr (N == 16) {  // two AVX2 registers (the lane loop below stays scalar: measured 2-3x slower)
-    typename Vec<N>::i v;
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-    std::memcpy(&v, &lo, sizeof(lo));
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-    return v;
-  }
 #endif
   typename Vec<N>::i v;
   for (int l = 0; l < N; ++l) v[l] = p[l];
