@@ -372,7 +372,7 @@ struct Workspace {
   alignas(64) float ktile[kTile * kRow];
   alignas(64) float vtile[kTile * kRow];
   alignas(64) float scores[kMaxGroupHeads * kTile];
-  alignas(64) float probs[kTile];
+  alignas(64) float probs[kMaxGroupHeads * kTile];
   float cos_t[kTile * kMaxHeadDim / 2], sin_t[kTile * kMaxHeadDim / 2];
   uint8_t visible[kMaxGroupHeads * kTile];
   Scratch k_tmp, v_tmp;
@@ -382,6 +382,8 @@ struct Workspace {
     return *ws;
   }
 };
+
+struct Partial;
 
 // One of K or V, as the kernel reads it.
 struct Operand {
@@ -442,6 +444,29 @@ struct Operand {
   void token_meta(int64_t bh, int64_t T, int64_t t0, int count, Scratch& tmp) const {
     const int groups = dim / group;
     const int64_t meta = (bh * T + t0) * groups;
+    if (groups == 1) {  // already [token] rows
+      load_floats(scale_p + meta * scale_size, scale_t, count, tmp.tile_scale);
+      load_floats(zero_p + meta * zero_size, zero_t, count, tmp.tile_zero);
+      return;
+    }
+#if defined(__F16C__)
+    if (groups == 2 && scale_t == DType::Half && zero_t == DType::Half && count % 8 == 0) {
+      // [token][2] halves -> two [token] rows: 8 tokens per step, deinterleaved in registers
+      auto split = [&](const char* src, float* out) {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(src);
+        for (int j = 0; j < count; j += 8) {
+          const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * j)));
+          const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * j + 8)));
+          const __m256d g0 = _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), g1 = _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd));
+          _mm256_storeu_ps(out + j, _mm256_castpd_ps(_mm256_permute4x64_pd(g0, 0xd8)));
+          _mm256_storeu_ps(out + kTile + j, _mm256_castpd_ps(_mm256_permute4x64_pd(g1, 0xd8)));
+        }
+      };
+      split(scale_p + meta * scale_size, tmp.tile_scale);
+      split(zero_p + meta * zero_size, tmp.tile_zero);
+      return;
+    }
+#endif
     load_floats(scale_p + meta * scale_size, scale_t, int64_t{count} * groups, tmp.raw);
     for (int j = 0; j < count; ++j)
       for (int g = 0; g < groups; ++g) tmp.tile_scale[g * kTile + j] = tmp.raw[j * groups + g];
@@ -449,6 +474,116 @@ struct Operand {
     for (int j = 0; j < count; ++j)
       for (int g = 0; g < groups; ++g) tmp.tile_zero[g * kTile + j] = tmp.raw[j * groups + g];
   }
+
+  // Planes of a packed row (codes of channel i * P + j share byte j, or bytes j, P + j, 2P + j at 3 bits).
+  int planes() const { return bits == 8 ? 1 : bits == 3 ? 8 : 8 / bits; }
+
+  // Whether the fused paths below serve this operand: quantized, and a plane is whole 8-lane blocks.
+  bool fusable() const { return bits != 0 && (dim / planes()) % 8 == 0; }
+
+  // The bare level of channel d of a packed row (for outlier corrections; scalar).
+  float level_at(const uint8_t* row, int d) const {
+    if (bits == 8) return level1(row[d]);
+    const int P = dim / planes(), j = d % P, i = d / P;
+    int32_t word = row[j];
+    if (bits == 3) word |= (row[P + j] << 8) | (row[2 * P + j] << 16);
+    return level1((word >> (i * bits)) & ((1 << bits) - 1));
+  }
+
+  // Calls f(bits, codebook) with both as compile-time constants.
+  template <typename F>
+  void with_format(F&& f) const {
+    auto with = [&](auto bits_c) {
+      if (codebook) f(bits_c, std::true_type{});
+      else f(bits_c, std::false_type{});
+    };
+    switch (bits) {
+      case 2: with(std::integral_constant<int, 2>{}); break;
+      case 3: with(std::integral_constant<int, 3>{}); break;
+      case 4: with(std::integral_constant<int, 4>{}); break;
+      default: with(std::integral_constant<int, 8>{}); break;
+    }
+  }
+
+  // Most query heads one fused pass carries: its accumulators (heads x planes vectors) must fit
+  // AVX2's 16 registers with room for the codes being unpacked.
+  template <int BITS>
+  static constexpr int max_pass_heads() { return BITS == 3 ? 1 : BITS == 2 ? 3 : 4; }
+
+  // scores[h * kTile + j] = qs[h] . levels of token `first + j`, j < count, h < NH (qs rows `dim`
+  // apart): each row's codes unpacked in registers and consumed there, no level tile written.
+  template <int BITS, bool CB, int NH>
+  void fused_scores(const float* qs, int64_t first, int count, float* scores) const {
+    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
+    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    const int P = dim / kPlanes;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
+    v8f part[NH][8];
+    for (int j0 = 0; j0 < count; j0 += 8) {
+      const int n = std::min(8, count - j0);
+      for (int jj = 0; jj < n; ++jj) {
+        const uint8_t* r = src + (j0 + jj) * row_bytes;
+        v8f a[NH], b[NH];
+        for (int h = 0; h < NH; ++h) a[h] = b[h] = splat(0.f);
+        for (int jb = 0; jb < P; jb += 8) {
+          v8i word = bytes8(r + jb);
+          if constexpr (BITS == 3) word = word | (bytes8(r + P + jb) << 8) | (bytes8(r + 2 * P + jb) << 16);
+          for (int i = 0; i < kPlanes; ++i) {
+            const v8i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
+            const v8f level = CB ? lookupv<8>(code, levels) : __builtin_convertvector(code, v8f);
+            for (int h = 0; h < NH; ++h) {
+              const v8f prod = load8(qs + h * dim + i * P + jb) * level;
+              if (i % 2) b[h] += prod;
+              else a[h] += prod;
+            }
+          }
+        }
+        for (int h = 0; h < NH; ++h) part[h][jj] = a[h] + b[h];
+      }
+      for (int h = 0; h < NH; ++h) {
+        if (n == 8) hsum8x8(part[h], scores + h * kTile + j0);
+        else for (int jj = 0; jj < n; ++jj) scores[h * kTile + j0 + jj] = hsum(part[h][jj]);
+      }
+    }
+  }
+
+  // acc[h][c] = acc[h][c] * correction[h] + sum_j w[h][c / group][j] * level_j[c] for h < NH, the
+  // tokens `first + j`, j < count (w rows [NH][groups][kTile]): the accumulators of a block of
+  // channels stay in registers over the tile while each row's codes are unpacked once for all NH heads.
+  template <int BITS, bool CB, int NH>
+  void fused_accumulate(float* const* acc, const float* correction, const float* w, int64_t first, int count) const {
+    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
+    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    const int P = dim / kPlanes, groups = dim / group;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
+    for (int jb = 0; jb < P; jb += 8) {
+      v8f a[NH][kPlanes];
+      const float* wr[NH][kPlanes];
+      for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < kPlanes; ++i) {
+          a[h][i] = load8(acc[h] + i * P + jb) * splat(correction[h]);
+          wr[h][i] = w + (h * groups + (i * P + jb) / group) * kTile;
+        }
+      for (int j = 0; j < count; ++j) {
+        const uint8_t* r = src + j * row_bytes + jb;
+        v8i word = bytes8(r);
+        if constexpr (BITS == 3) word = word | (bytes8(r + P) << 8) | (bytes8(r + 2 * P) << 16);
+        for (int i = 0; i < kPlanes; ++i) {
+          const v8i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
+          const v8f level = CB ? lookupv<8>(code, levels) : __builtin_convertvector(code, v8f);
+          for (int h = 0; h < NH; ++h) a[h][i] += splat(wr[h][i][j]) * level;
+        }
+      }
+      for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < kPlanes; ++i) store8(acc[h] + i * P + jb, a[h][i]);
+    }
+  }
+
+  // The values of query heads [0, n_heads) over one tile, per-token groups, codes straight from the
+  // cache: what direct_accumulate does for one head, for all heads of a kv head at once.
+  // probs[h * kTile + j], correction[h]; heads whose best_of is -inf saw nothing and are skipped.
+  void fused_values(Partial* parts, const float* correction, const float* probs, const float* best_of, int n_heads, int count,
+                    const Scratch& tmp, int64_t bh, int64_t T, int64_t t0) const;
 
  private:
   inline float level1(int code) const { return codebook ? levels[code] : static_cast<float>(code); }
@@ -824,7 +959,9 @@ inline float softmax_step(const float* sh, int count, float best, Partial& part,
 // (Outlier indices of a token are distinct, as the quantizer writes them.)
 void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
                                 float* scores, Scratch& tmp) const {
-  levels_tile(bh, T, t0, count, lv);
+  const bool fused = fusable();
+  if (!fused) levels_tile(bh, T, t0, count, lv);
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
   for (int i = 0; i < count;) {
     const int64_t row = (t0 + i) / group;
     const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
@@ -838,12 +975,30 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
       }
       tmp.meta_row = meta_row;
     }
-    score_rows(tmp.qs, n_heads, dim, end - i, lv + i * kRow, scores + i);
+    if (fused) {
+      with_format([&](auto bits_c, auto cb_c) {
+        constexpr int B = decltype(bits_c)::value, kMax = 4;  // 2 x 4 accumulators
+        constexpr bool CB = decltype(cb_c)::value;
+        for (int h = 0; h < n_heads;) {  // passes of up to kMax heads
+          const float* qs = tmp.qs + h * dim;
+          float* sh = scores + h * kTile + i;
+          const int64_t first = bh * T + t0 + i;
+          const int left = n_heads - h;
+          if (left >= 4) fused_scores<B, CB, 4>(qs, first, end - i, sh), h += 4;
+          else if (left >= 3) fused_scores<B, CB, 3>(qs, first, end - i, sh), h += 3;
+          else if (left >= 2) fused_scores<B, CB, 2>(qs, first, end - i, sh), h += 2;
+          else fused_scores<B, CB, 1>(qs, first, end - i, sh), h += 1;
+        }
+      });
+    } else {
+      score_rows(tmp.qs, n_heads, dim, end - i, lv + i * kRow, scores + i);
+    }
     for (int h = 0; h < n_heads; ++h)
       for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
     for (int j = i; n_out && j < end; ++j)
       for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
-        const float delta = exact - (tmp.scale[d] * lv[j * kRow + d] + tmp.zero[d]);
+        const float level = fused ? level_at(rows + j * row_bytes, d) : lv[j * kRow + d];
+        const float delta = exact - (tmp.scale[d] * level + tmp.zero[d]);
         for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
       });
     i = end;
@@ -889,6 +1044,73 @@ void Operand::direct_accumulate(float* acc, float correction, const float* probs
       acc[d] += probs[j] * (exact - (tmp.tile_scale[g * kTile + j] * lv[j * kRow + d] + tmp.tile_zero[g * kTile + j]));
     });
   }
+}
+
+void Operand::fused_values(Partial* parts, const float* correction, const float* probs, const float* best_of, int n_heads,
+                           int count, const Scratch& tmp, int64_t bh, int64_t T, int64_t t0) const {
+  const int groups = dim / group;
+  constexpr int kPass = 4;
+  alignas(64) float w[kPass * kMaxHeadDim / 8 * kTile];  // [head of the pass][group][token]
+  float zsum[kPass][kMaxHeadDim / 8];
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
+  with_format([&](auto bits_c, auto cb_c) {
+    constexpr int B = decltype(bits_c)::value, kMax = max_pass_heads<B>();
+    constexpr bool CB = decltype(cb_c)::value;
+    int heads[kPass];
+    for (int h = 0; h < n_heads;) {
+      int n = 0;  // the next pass: up to kMax heads that saw something in this tile
+      for (; h < n_heads && n < kMax; ++h)
+        if (best_of[h] != kNegInf) heads[n++] = h;
+      if (n == 0) break;
+      float* acc[kPass];
+      float corr[kPass];
+      for (int k = 0; k < n; ++k) {
+        const float* ph = probs + heads[k] * kTile;
+        acc[k] = parts[heads[k]].acc;
+        corr[k] = correction[heads[k]];
+        for (int g = 0; g < groups; ++g) {  // hidden tokens (p = 0) contribute nothing, whatever their scale
+          const float* sc = tmp.tile_scale + g * kTile;
+          const float* zc = tmp.tile_zero + g * kTile;
+          float* wg = w + (k * groups + g) * kTile;
+          v8f z = splat(0.f);
+          int j = 0;
+          for (; j + 8 <= count; j += 8) {
+            const v8f p = load8(ph + j);
+            const v8i seen = p != splat(0.f);
+            store8(wg + j, seen ? p * load8(sc + j) : splat(0.f));
+            z += seen ? p * load8(zc + j) : splat(0.f);
+          }
+          float zs = hsum(z);
+          for (; j < count; ++j) {
+            const float p = ph[j];
+            wg[j] = p == 0.f ? 0.f : p * sc[j];
+            zs += p == 0.f ? 0.f : p * zc[j];
+          }
+          zsum[k][g] = zs;
+        }
+      }
+      const int64_t first = bh * T + t0;
+      switch (n) {
+        case 1: fused_accumulate<B, CB, 1>(acc, corr, w, first, count); break;
+        case 2: if constexpr (kMax >= 2) fused_accumulate<B, CB, 2>(acc, corr, w, first, count); break;
+        case 3: if constexpr (kMax >= 3) fused_accumulate<B, CB, 3>(acc, corr, w, first, count); break;
+        default: if constexpr (kMax >= 4) fused_accumulate<B, CB, 4>(acc, corr, w, first, count); break;
+      }
+      for (int k = 0; k < n; ++k) {
+        for (int g = 0; g < groups; ++g)
+          for (int c = g * group; c < (g + 1) * group; ++c) acc[k][c] += zsum[k][g];
+        const float* ph = probs + heads[k] * kTile;
+        for (int j = 0; n_out && j < count; ++j) {
+          if (ph[j] == 0.f) continue;
+          for_each_outlier(first + j, [&](int d, float exact) {
+            const int g = d / group;
+            const float dense = tmp.tile_scale[g * kTile + j] * level_at(rows + j * row_bytes, d) + tmp.tile_zero[g * kTile + j];
+            acc[k][d] += ph[j] * (exact - dense);
+          });
+        }
+      }
+    }
+  });
 }
 
 // Output sizes [B, Hq, Dv] of a valid call, read before running it (for allocating `out`).
@@ -967,6 +1189,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   const int nh = static_cast<int>(n_heads), dk = static_cast<int>(D), dv = static_cast<int>(Dv);
   const bool direct_k = K.bits != 0 && K.axis == 1 && !pre_rope;
   const bool direct_v = V.bits != 0 && V.axis == 0 && V.group % 8 == 0;
+  const bool fused_v = direct_v && V.fusable();
 
   parallel_for(n_chunks, [&](int64_t begin, int64_t end) {
     Workspace& ws = Workspace::of_this_thread();
@@ -1027,6 +1250,17 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
               score_rows(qg, nh, dk, count, ktile, scores);
             }
             if (!mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of)) continue;
+            if (fused_v) {  // softmax of every head, then the values of all heads in one pass over the codes
+              V.token_meta(bh, T, t0, count, *v_tmp);
+              state(task, b, hkv);
+              float correction[kMaxGroupHeads];
+              for (int h = 0; h < nh; ++h)
+                if (best_of[h] != kNegInf)
+                  correction[h] = softmax_step(scores + h * kTile, count, best_of[h], parts[h], probs + h * kTile);
+              V.fused_values(parts.data(), correction, probs, best_of, nh, count, *v_tmp, bh, T, t0);
+              save(task, b, hkv);
+              continue;
+            }
             if (direct_v) {
               V.levels_tile(bh, T, t0, count, vtile);
               V.token_meta(bh, T, t0, count, *v_tmp);
