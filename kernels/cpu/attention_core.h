@@ -505,10 +505,13 @@ struct Operand {
     }
   }
 
-  // Most query heads one fused pass carries: its accumulators (heads x planes vectors) must fit
-  // AVX2's 16 registers with room for the codes being unpacked.
+  // A fused value pass keeps heads x planes-per-sweep accumulators in registers: at most 12, which
+  // leaves AVX2's 16 registers room for the codes being unpacked. Wide formats (3 bits: 8 planes)
+  // sweep a row's planes in two halves, so one unpacked level still serves three heads.
   template <int BITS>
-  static constexpr int max_pass_heads() { return BITS == 3 ? 1 : BITS == 2 ? 3 : 4; }
+  static constexpr int sweep_planes() { return BITS == 8 ? 1 : BITS == 4 ? 2 : 4; }
+  template <int BITS>
+  static constexpr int max_pass_heads() { return BITS == 4 || BITS == 8 ? 4 : 3; }
 
   // scores[h * kTile + j] = qs[h] . levels of token `first + j`, j < count, h < NH (qs rows `dim`
   // apart): each row's codes unpacked in registers and consumed there, no level tile written.
@@ -556,27 +559,30 @@ struct Operand {
     constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
     const int P = dim / kPlanes, groups = dim / group;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
-    for (int jb = 0; jb < P; jb += 8) {
-      v8f a[NH][kPlanes];
-      const float* wr[NH][kPlanes];
-      for (int h = 0; h < NH; ++h)
-        for (int i = 0; i < kPlanes; ++i) {
-          a[h][i] = load8(acc[h] + i * P + jb) * splat(correction[h]);
-          wr[h][i] = w + (h * groups + (i * P + jb) / group) * kTile;
+    constexpr int kSweep = sweep_planes<BITS>();
+    for (int jb = 0; jb < P; jb += 8)
+      for (int p0 = 0; p0 < kPlanes; p0 += kSweep) {  // planes [p0, p0 + kSweep) of word block jb
+        v8f a[NH][kSweep];
+        const float* wr[NH][kSweep];
+        for (int h = 0; h < NH; ++h)
+          for (int i = 0; i < kSweep; ++i) {
+            const int c = (p0 + i) * P + jb;
+            a[h][i] = load8(acc[h] + c) * splat(correction[h]);
+            wr[h][i] = w + (h * groups + c / group) * kTile;
+          }
+        for (int j = 0; j < count; ++j) {
+          const uint8_t* r = src + j * row_bytes + jb;
+          v8i word = bytes8(r);
+          if constexpr (BITS == 3) word = word | (bytes8(r + P) << 8) | (bytes8(r + 2 * P) << 16);
+          for (int i = 0; i < kSweep; ++i) {
+            const v8i code = BITS == 8 ? word : (word >> ((p0 + i) * BITS)) & kMask;
+            const v8f level = CB ? lookupv<8>(code, levels) : __builtin_convertvector(code, v8f);
+            for (int h = 0; h < NH; ++h) a[h][i] += splat(wr[h][i][j]) * level;
+          }
         }
-      for (int j = 0; j < count; ++j) {
-        const uint8_t* r = src + j * row_bytes + jb;
-        v8i word = bytes8(r);
-        if constexpr (BITS == 3) word = word | (bytes8(r + P) << 8) | (bytes8(r + 2 * P) << 16);
-        for (int i = 0; i < kPlanes; ++i) {
-          const v8i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
-          const v8f level = CB ? lookupv<8>(code, levels) : __builtin_convertvector(code, v8f);
-          for (int h = 0; h < NH; ++h) a[h][i] += splat(wr[h][i][j]) * level;
-        }
+        for (int h = 0; h < NH; ++h)
+          for (int i = 0; i < kSweep; ++i) store8(acc[h] + (p0 + i) * P + jb, a[h][i]);
       }
-      for (int h = 0; h < NH; ++h)
-        for (int i = 0; i < kPlanes; ++i) store8(acc[h] + i * P + jb, a[h][i]);
-    }
   }
 
   // The values of query heads [0, n_heads) over one tile, per-token groups, codes straight from the
