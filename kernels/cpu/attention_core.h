@@ -12,14 +12,18 @@
 //   the tiles into chunks, one task per chunk (the caller's parallel_for: ATen's thread pool, or OpenMP); the side
 //   store (sink and recent window, full precision) is one more task;
 // * per tile and per (batch, kv head): skip it if the mask hides it from every query head of the
-//   group, else unpack its keys into a float tile in L1 (codes -> levels -> scale/zero, outliers,
-//   RoPE at their positions for pre-RoPE keys), score all query heads of the group against it
-//   (GQA inside the kernel: the tile is unpacked once per kv head), update each head's running
-//   max / sum / weighted sum (online softmax), unpack the values tile and accumulate;
+//   group, else score all query heads of the group against its keys (GQA inside the kernel: each
+//   key is unpacked once per kv head), update each head's running max / sum / weighted sum (online
+//   softmax), and accumulate its values for all heads of the group;
+// * keys in per-channel groups (post-RoPE) and values in per-token groups are consumed as bare
+//   levels straight from the codes, in registers (fused_scores, fused_values): the scales ride on q
+//   and on the softmax weights. Other formats (pre-RoPE keys, rotated at their positions; per-token
+//   keys; per-channel values) are unpacked into a float tile in L1 first;
 // * the tasks' partial results are merged with their log-sum-exp (split softmax).
 // Arithmetic is float32 throughout; GCC/Clang vector extensions give explicit 8-wide SIMD that
 // compiles to AVX2/AVX-512 or NEON (-march=native at build time), with scalar tails for any
-// head_dim.
+// head_dim. The tiled paths use 16 lanes where AVX-512 has the registers for them; the fused paths
+// are written for 8 lanes and AVX2's 16 registers.
 
 #pragma once
 
