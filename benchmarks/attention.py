@@ -14,10 +14,11 @@ generating model would hold at that length. Variants:
   (codebook -> uniform levels, no outliers, post-RoPE keys): same bytes, so the differences say
   where the time goes.
 
-Each row: median ms over `--repeats` calls after a warm-up, the bytes a kernel must read (the
-filled rows of codes, scales and outliers, the full-precision side store, the mask; not the spare
-capacity the cache holds beyond them), and the time those
-bytes take at the memory bandwidth measured in the same run (a large `copy_`), i.e. the floor a
+Each row: median ms over `--repeats` rounds after a warm-up (within one length every variant but
+the slow reference is called once per round in turn, so all see the same phases of a noisy
+machine), the bytes a kernel must read (the filled rows of codes, scales and outliers, the
+full-precision side store, the mask; not the spare capacity the cache holds beyond them), and the
+time those bytes take at the memory bandwidth measured in the same run (a large `copy_`), i.e. the floor a
 bandwidth-bound kernel would reach. Rows in results/attention.json.
 
     python benchmarks/attention.py --lengths 4096,32768,131072,524288 --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct --profile
@@ -44,6 +45,24 @@ def median_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
+
+
+def interleaved_ms(fns: dict, repeats: int) -> dict:
+    """Median ms of each of `fns` over `repeats` rounds that call every one of them once in turn.
+
+    A shared 2-core VM here drifts between fast and slow phases lasting seconds; timing each variant
+    in its own block put whole variants in one phase or the other (the same op measured 2.2 and 2.8 ms
+    minutes apart), so ratios between variants moved by ~40%. Interleaved, every variant sees the
+    same phases."""
+    for fn in fns.values():
+        fn()  # warm-up (and compilation)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
 def bandwidth_gbs(mib: int = 1024) -> float:
@@ -119,7 +138,7 @@ def main() -> None:
     parser.add_argument("--variants", default="sdpa-fp32,native,compiled,reference")
     parser.add_argument("--profile", action="store_true", help="add the native kernel without each feature a format uses")
     parser.add_argument("--reference-max", type=int, default=131072, help="longest context the slow reference kernel is timed at")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/attention.json")
     args = parser.parse_args()
@@ -144,35 +163,39 @@ def main() -> None:
         save_json(args.out, stamp(threads=args.threads, copy_gbs=round(gbs, 2), rows=rows))
 
     for n in [int(x) for x in args.lengths.split(",")]:
+        timed: dict[tuple[str, str], tuple] = {}  # (format, variant) -> (fn, bytes read): timed together below
         if "sdpa-fp32" in variants:
             g = torch.Generator().manual_seed(0)
             k, v = torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g)
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-            add(dict(format="fp32", tokens=n, variant="sdpa-fp32", ms=median_ms(sdpa, args.repeats), bytes=2 * k.numel() * 4))
-            k = v = None  # free the float cache before the quantized ones are built
+            sdpa = lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+            timed[("fp32", "sdpa-fp32")] = (sdpa, 2 * k.numel() * 4)
+        references = []
         for preset in args.presets.split(","):
             layer = filled_layer(model, preset, n)
             op = op_args(layer, q)
             held = bytes_read(op)
             layer = None
-            with torch.no_grad():
-                if "native" in variants:
-                    add(dict(format=preset, tokens=n, variant="native", bytes=held,
-                             ms=median_ms(lambda: torch.ops.kvq.decode_attention(**op), args.repeats)))  # fmt: skip
-                if args.profile:
-                    for name, strip in ABLATIONS.items():
-                        stripped = strip(op)
-                        if stripped != op:
-                            add(dict(format=preset, tokens=n, variant=f"native {name}", bytes=held,
-                                     ms=median_ms(lambda: torch.ops.kvq.decode_attention(**stripped), args.repeats)))  # fmt: skip
-                if "compiled" in variants:  # a fresh compile per row (dynamo's recompile limit is per function)
-                    torch._dynamo.reset()
-                    compiled = torch.compile(lambda **a: torch.ops.kvq.decode_attention(**a), fullgraph=True, dynamic=False)
-                    add(dict(format=preset, tokens=n, variant="compiled", bytes=held, ms=median_ms(lambda: compiled(**op), args.repeats)))
-                if "reference" in variants and n <= args.reference_max:
-                    ref = reference_arguments(op)
-                    add(dict(format=preset, tokens=n, variant="reference", bytes=held,
-                             ms=median_ms(lambda: reference.attention(**ref, target="eager"), max(3, args.repeats // 3))))  # fmt: skip
+            if "native" in variants:
+                timed[(preset, "native")] = (lambda op=op: torch.ops.kvq.decode_attention(**op), held)
+            if args.profile:
+                for name, strip in ABLATIONS.items():
+                    stripped = strip(op)
+                    if stripped != op:
+                        timed[(preset, f"native {name}")] = (lambda a=stripped: torch.ops.kvq.decode_attention(**a), held)
+            if "compiled" in variants:  # one compiled function per preset (dynamo's recompile limit is per function)
+                compiled = torch.compile(lambda **a: torch.ops.kvq.decode_attention(**a), fullgraph=True, dynamic=False)
+                timed[(preset, "compiled")] = (lambda op=op, f=compiled: f(**op), held)
+            if "reference" in variants and n <= args.reference_max:
+                references.append((preset, reference_arguments(op), held))
+        with torch.no_grad():
+            medians = interleaved_ms({key: fn for key, (fn, _) in timed.items()}, args.repeats)
+            for (fmt, variant), (_, nbytes) in timed.items():
+                add(dict(format=fmt, tokens=n, variant=variant, bytes=nbytes, ms=medians[(fmt, variant)]))
+            for preset, ref, held in references:  # tens to hundreds of ms: timed alone, fewer times
+                add(dict(format=preset, tokens=n, variant="reference", bytes=held,
+                         ms=median_ms(lambda: reference.attention(**ref, target="eager"), max(3, args.repeats // 3))))  # fmt: skip
+        timed = k = v = None  # free this length's caches before the next one's are built
+        torch._dynamo.reset()
     fp = {r["tokens"]: r["ms"] for r in rows if r["variant"] == "sdpa-fp32"}
     print("\n| format | cached tokens | variant | ms | MiB read | floor ms | x floor | vs fp32 SDPA |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
