@@ -1231,12 +1231,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t_begin = lo + task * n_tiles / n_chunks * kTile;
       const int64_t t_end = std::min(hi, lo + (task + 1) * n_tiles / n_chunks * kTile);
-      for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
-        const int count = static_cast<int>(std::min<int64_t>(kTile, t_end - t0));
-        if (pre_rope)  // one table of cos/sin per tile, shared by every batch row and kv head
-          for (int i = 0; i < count; ++i) angles(a.position_offset + t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+      // One tile of one (batch row, kv head): scores, online softmax, weighted values.
+      auto one_tile = [&](int64_t t0, int count, int64_t b, int64_t hkv) {
             bool seen = false;
             for (int64_t h = 0; h < n_heads; ++h) {
               const bool* m = mask_data + b * m_b + (hkv * n_heads + h) * m_h + t0 * m_t;
@@ -1247,7 +1243,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
               if (h == 0 || m_h != 0)
                 for (int i = 0; i < count; ++i) seen = seen || vis[i];
             }
-            if (!seen) continue;
+            if (!seen) return;
             const int64_t bh = b * Hkv + hkv;
             const float* qg = q_data + (b * Hq + hkv * n_heads) * D;
             if (direct_k) {
@@ -1259,7 +1255,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
                   rotate_row(ktile + i * kRow, cos_t + i * half, sin_t + i * half, dk, rope_f);
               score_rows(qg, nh, dk, count, ktile, scores);
             }
-            if (!mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of)) continue;
+            if (!mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of)) return;
             if (fused_v) {  // softmax of every head, then the values of all heads in one pass over the codes
               V.token_meta(bh, T, t0, count, *v_tmp);
               state(task, b, hkv);
@@ -1269,7 +1265,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
                   correction[h] = softmax_step(scores + h * kTile, count, best_of[h], parts[h], probs + h * kTile);
               V.fused_values(parts.data(), correction, probs, best_of, nh, count, *v_tmp, bh, T, t0);
               save(task, b, hkv);
-              continue;
+              return;
             }
             if (direct_v) {
               V.levels_tile(bh, T, t0, count, vtile);
@@ -1285,7 +1281,19 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
               else accumulate(parts[h].acc, correction, probs, dv, vtile, count, dv);
             }
             save(task, b, hkv);
-          }
+      };
+      auto tile_count = [&](int64_t t0) { return static_cast<int>(std::min<int64_t>(kTile, t_end - t0)); };
+      if (pre_rope) {  // tile-major: one table of cos/sin per tile, shared by every batch row and kv head
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+          const int count = tile_count(t0);
+          for (int i = 0; i < count; ++i) angles(a.position_offset + t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t hkv = 0; hkv < Hkv; ++hkv) one_tile(t0, count, b, hkv);
+        }
+      } else {  // head-major: a kv head's codes and scales are a few long streams the prefetchers follow
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv)
+            for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) one_tile(t0, tile_count(t0), b, hkv);
       }
       if (task != n_chunks - 1) continue;
       // The side store: full-precision entries outside [body_start, body_end), gathered into tiles
