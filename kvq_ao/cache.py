@@ -296,11 +296,12 @@ class QuantizedLayer(CacheLayerMixin):
         if key_states.shape[2] == 1 and isinstance(self.cumulative_length, torch.Tensor):
             self._append_one_static(key_states, value_states)
             return self.keys_values()
+        if key_states.shape[2] == 1:  # a decode step reads the cache as it is after the append
+            self._append_eager(key_states, value_states)
+            return self.keys_values()
         old = int(self.cumulative_length)
         held = self._held_in_full(old)
         self._append_eager(key_states, value_states)
-        if key_states.shape[2] == 1:
-            return self.keys_values()
         return self._chunk_views(held, key_states, value_states, old)
 
     def _held_in_full(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -371,6 +372,24 @@ class QuantizedLayer(CacheLayerMixin):
                 xv = self._without_sink(xv, b_old)
             self.k_body.write(b_old, xk)
             self.v_body.write(b_old, xv)
+        if new == old + 1 and (old < self.sink or old >= b_new):
+            # One token kept in full precision (each decode step of a layer with a recent window):
+            # its side slot in Python arithmetic, three row copies, no index tensors.
+            slot = old if old < self.sink else self.sink + (old - self.sink) % self.ring
+            self.side_k[:, :, slot].copy_(k[:, :, 0])
+            self.side_v[:, :, slot].copy_(v[:, :, 0])
+            self.side_pos[slot] = old
+        else:
+            self._keep_in_side(k, v, old, new, b_new)
+        self.body_end.fill_(b_new)
+        if isinstance(self.cumulative_length, torch.Tensor):
+            self.cumulative_length.fill_(new)
+        else:
+            self.cumulative_length = new
+
+    def _keep_in_side(self, k: torch.Tensor, v: torch.Tensor, old: int, new: int, b_new: int) -> None:
+        """Writes the tokens of positions [old, new) that stay in full precision (the sink, and
+        those at or past the body's new end) into their side store slots."""
         positions = torch.arange(old, new, device=self.device)
         keep = (positions < self.sink) | (positions >= b_new)
         kept = positions[keep]
@@ -378,11 +397,6 @@ class QuantizedLayer(CacheLayerMixin):
         self.side_k.index_copy_(2, slots, k[:, :, keep].to(self.side_k.dtype))
         self.side_v.index_copy_(2, slots, v[:, :, keep].to(self.side_v.dtype))
         self.side_pos.index_copy_(0, slots, kept)
-        self.body_end.fill_(b_new)
-        if isinstance(self.cumulative_length, torch.Tensor):
-            self.cumulative_length.fill_(new)
-        else:
-            self.cumulative_length = new
 
     def _append_one_static(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one token with tensor arithmetic only (compile/export friendly).
