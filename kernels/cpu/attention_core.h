@@ -411,6 +411,8 @@ struct Operand {
                          float* scores, Scratch& tmp) const;
   void direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv, const Scratch& tmp,
                          int64_t bh, int64_t T, int64_t t0) const;
+  void token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum) const;
+  void add_zero_sums(float* acc, const float* zsum) const;
 
   // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kRow.
   void tile(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
@@ -1016,16 +1018,11 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
   }
 }
 
-// Values quantized in per-token groups of channels:
-//   sum_j p_j (s_jg * level_j + z_jg) = sum_j (p_j s_jg) level_j + sum_j p_j z_jg, group by group,
-// so the tile stays bare levels and the scales ride on the softmax weights. Outliers are corrected
-// afterwards by p_j * (exact - dense). `tmp` holds the tile's per-token scale/zero (token_meta).
-void Operand::direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv,
-                                const Scratch& tmp, int64_t bh, int64_t T, int64_t t0) const {
-  const int groups = dim / group;
-  alignas(64) float w[kMaxHeadDim / 8 * kTile];  // [group][token]
-  float zsum[kMaxHeadDim / 8];
-  for (int g = 0; g < groups; ++g) {  // hidden tokens (p = 0) contribute nothing, whatever their scale
+// The softmax weights of a tile's values in per-token groups: w[g][j] = p_j * scale_jg (rows kTile
+// apart) and zsum[g] = sum_j p_j * zero_jg. Hidden tokens (p = 0) contribute nothing, whatever
+// their scale.
+void Operand::token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum) const {
+  for (int g = 0; g < dim / group; ++g) {
     const float* sc = tmp.tile_scale + g * kTile;
     const float* zc = tmp.tile_zero + g * kTile;
     float* wg = w + g * kTile;
@@ -1045,9 +1042,25 @@ void Operand::direct_accumulate(float* acc, float correction, const float* probs
     }
     zsum[g] = zs;
   }
-  accumulate(acc, correction, w, group, lv, count, dim);
-  for (int g = 0; g < groups; ++g)
+}
+
+// acc[c] += zsum[c / group]: the zeros' share of the weighted values.
+void Operand::add_zero_sums(float* acc, const float* zsum) const {
+  for (int g = 0; g < dim / group; ++g)
     for (int c = g * group; c < (g + 1) * group; ++c) acc[c] += zsum[g];
+}
+
+// Values quantized in per-token groups of channels:
+//   sum_j p_j (s_jg * level_j + z_jg) = sum_j (p_j s_jg) level_j + sum_j p_j z_jg, group by group,
+// so the tile stays bare levels and the scales ride on the softmax weights. Outliers are corrected
+// afterwards by p_j * (exact - dense). `tmp` holds the tile's per-token scale/zero (token_meta).
+void Operand::direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv,
+                                const Scratch& tmp, int64_t bh, int64_t T, int64_t t0) const {
+  alignas(64) float w[kMaxHeadDim / 8 * kTile];  // [group][token]
+  float zsum[kMaxHeadDim / 8];
+  token_weights(probs, count, tmp, w, zsum);
+  accumulate(acc, correction, w, group, lv, count, dim);
+  add_zero_sums(acc, zsum);
   for (int j = 0; n_out && j < count; ++j) {
     if (probs[j] == 0.f) continue;
     for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
@@ -1079,26 +1092,7 @@ void Operand::fused_values(Partial* parts, const float* correction, const float*
         const float* ph = probs + heads[k] * kTile;
         acc[k] = parts[heads[k]].acc;
         corr[k] = correction[heads[k]];
-        for (int g = 0; g < groups; ++g) {  // hidden tokens (p = 0) contribute nothing, whatever their scale
-          const float* sc = tmp.tile_scale + g * kTile;
-          const float* zc = tmp.tile_zero + g * kTile;
-          float* wg = w + (k * groups + g) * kTile;
-          v8f z = splat(0.f);
-          int j = 0;
-          for (; j + 8 <= count; j += 8) {
-            const v8f p = load8(ph + j);
-            const v8i seen = p != splat(0.f);
-            store8(wg + j, seen ? p * load8(sc + j) : splat(0.f));
-            z += seen ? p * load8(zc + j) : splat(0.f);
-          }
-          float zs = hsum(z);
-          for (; j < count; ++j) {
-            const float p = ph[j];
-            wg[j] = p == 0.f ? 0.f : p * sc[j];
-            zs += p == 0.f ? 0.f : p * zc[j];
-          }
-          zsum[k][g] = zs;
-        }
+        token_weights(ph, count, tmp, w + k * groups * kTile, zsum[k]);
       }
       const int64_t first = bh * T + t0;
       switch (n) {
@@ -1108,8 +1102,7 @@ void Operand::fused_values(Partial* parts, const float* correction, const float*
         default: if constexpr (kMax >= 4) fused_accumulate<B, CB, 4>(acc, corr, w, first, count); break;
       }
       for (int k = 0; k < n; ++k) {
-        for (int g = 0; g < groups; ++g)
-          for (int c = g * group; c < (g + 1) * group; ++c) acc[k][c] += zsum[k][g];
+        add_zero_sums(acc[k], zsum[k]);
         const float* ph = probs + heads[k] * kTile;
         for (int j = 0; n_out && j < count; ++j) {
           if (ph[j] == 0.f) continue;
