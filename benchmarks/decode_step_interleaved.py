@@ -3,7 +3,7 @@
 `decode_step.py` times each variant in a fresh process, which is right for memory but leaves
 speed to whatever phase a shared machine is in during that process: on the 2-core VM these docs
 were measured on, the same step moved by 10-15% between runs, as much as the difference between
-the eager fp and kivi-4 steps at 2k tokens. Here both models are loaded, both caches are
+the eager fp and kivi-4 steps at 2k tokens. Here each variant loads a model of its own, all caches are
 prefilled with the same random tokens (chunks of 512), and the timed steps alternate: one step
 of each variant in turn, `--rounds` times, so all see the same phases. Variants: `eager-fp`
 (transformers' DynamicCache), `eager-kvq` (the dynamic quantized cache) and `compiled-kvq` (a
@@ -74,13 +74,13 @@ def main() -> None:
     parser.add_argument("--out", default="results/decode_step_interleaved.json")
     args = parser.parse_args()
     print(f"{machine()}, {args.threads} threads", flush=True)
+    names = [v for v in args.variants.split(",") if v]
+    if unknown := set(names) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     rows = []
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = torch.randint(100, 20000, (1, n), generator=torch.Generator().manual_seed(0))
         capacity = n + WARMUP + args.rounds + 1
-        names = [v for v in args.variants.split(",") if v]
-        if unknown := set(names) - set(VARIANTS):
-            parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
         states = {name: prefilled(name, args.preset, ids, args.threads, capacity) for name in names}
         for state in states.values():  # warm-up (and compilation)
             for _ in range(WARMUP):
