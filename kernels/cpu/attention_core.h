@@ -414,6 +414,20 @@ struct Operand {
   void token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum) const;
   void add_zero_sums(float* acc, const float* zsum) const;
 
+  // acc[d] += p_j * (exact - dense) for each outlier of the tile's tokens `first + j` that p_j
+  // sees: per-token-group values after their dense levels were accumulated; level(j, d) is the
+  // bare level of token j's channel d.
+  template <typename Level>
+  void correct_value_outliers(float* acc, const float* probs, int count, const Scratch& tmp, int64_t first, Level&& level) const {
+    for (int j = 0; n_out && j < count; ++j) {
+      if (probs[j] == 0.f) continue;
+      for_each_outlier(first + j, [&](int d, float exact) {
+        const int g = d / group;
+        acc[d] += probs[j] * (exact - (tmp.tile_scale[g * kTile + j] * level(j, d) + tmp.tile_zero[g * kTile + j]));
+      });
+    }
+  }
+
   // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kRow.
   void tile(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
     if (bits == 0) {
@@ -1061,13 +1075,7 @@ void Operand::direct_accumulate(float* acc, float correction, const float* probs
   token_weights(probs, count, tmp, w, zsum);
   accumulate(acc, correction, w, group, lv, count, dim);
   add_zero_sums(acc, zsum);
-  for (int j = 0; n_out && j < count; ++j) {
-    if (probs[j] == 0.f) continue;
-    for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
-      const int g = d / group;
-      acc[d] += probs[j] * (exact - (tmp.tile_scale[g * kTile + j] * lv[j * kRow + d] + tmp.tile_zero[g * kTile + j]));
-    });
-  }
+  correct_value_outliers(acc, probs, count, tmp, bh * T + t0, [&](int j, int d) { return lv[j * kRow + d]; });
 }
 
 void Operand::fused_values(Partial* parts, const float* correction, const float* probs, const float* best_of, int n_heads,
@@ -1103,15 +1111,8 @@ void Operand::fused_values(Partial* parts, const float* correction, const float*
       }
       for (int k = 0; k < n; ++k) {
         add_zero_sums(acc[k], zsum[k]);
-        const float* ph = probs + heads[k] * kTile;
-        for (int j = 0; n_out && j < count; ++j) {
-          if (ph[j] == 0.f) continue;
-          for_each_outlier(first + j, [&](int d, float exact) {
-            const int g = d / group;
-            const float dense = tmp.tile_scale[g * kTile + j] * level_at(rows + j * row_bytes, d) + tmp.tile_zero[g * kTile + j];
-            acc[k][d] += ph[j] * (exact - dense);
-          });
-        }
+        correct_value_outliers(acc[k], probs + heads[k] * kTile, count, tmp, first,
+                               [&](int j, int d) { return level_at(rows + j * row_bytes, d); });
       }
     }
   });
