@@ -49,7 +49,7 @@ def test_native_decode_attention_matches_the_reference(seed, k_fmt, v_fmt, ratio
 @pytest.mark.parametrize("ratio", [1, 3, 8])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gqa_ratios_and_head_dims_at_several_tiles(ratio, d):
-    """Long enough (37 tiles, more chunks than threads) that the split-softmax merge is exercised."""
+    """Long enough (1184 tokens: 19 tiles, more chunks than threads) that the split-softmax merge is exercised."""
     named = native_case(0, hkv=2, ratio=ratio, d=d, blocks=74, k_fmt=(2, AXIS_CHANNEL, 16, False, 0),
                         v_fmt=(2, AXIS_TOKEN, 16, False, 0))  # fmt: skip
     check(named)
@@ -83,7 +83,7 @@ def test_native_decode_attention_reads_calibrated_key_ranges(codebook, outliers,
 @pytest.mark.parametrize("d", [64, 128])
 def test_pre_rope_keys_of_every_width_with_outliers_and_scale_rows_changing_mid_tile(bits, codebook, outliers, d):
     """Pre-RoPE per-channel keys at 2/3/4 bits: outliers replacing rotated channels, scale rows
-    changing mid-tile (groups of 16 tokens, tiles of 32), a tile cut short by the body's end, and
+    changing mid-tile (groups of 16 tokens, tiles of 64), a tile cut short by the body's end, and
     the kernel's own sin/cos (float polynomials after a double reduction)."""
     named = native_case(7 + bits, hkv=2, ratio=3, d=d, blocks=9, body_end=16 * 9 - 5, pre_rope=True,
                         k_fmt=(bits, AXIS_CHANNEL, 16, codebook, outliers), v_fmt=(bits, AXIS_TOKEN, 16, codebook, 0))  # fmt: skip
