@@ -424,13 +424,11 @@ struct Operand {
   // bare level of token j's channel d.
   template <typename Level>
   void correct_value_outliers(float* acc, const float* probs, int count, const Scratch& tmp, int64_t first, Level&& level) const {
-    for (int j = 0; n_out && j < count; ++j) {
-      if (probs[j] == 0.f) continue;
-      for_each_outlier(first + j, [&](int d, float exact) {
-        const int g = d / group;
-        acc[d] += probs[j] * (exact - (tmp.tile_scale[g * kTile + j] * level(j, d) + tmp.tile_zero[g * kTile + j]));
-      });
-    }
+    for_each_outlier(first, count, [&](int j, int d, float exact) {
+      if (probs[j] == 0.f) return;
+      const int g = d / group;
+      acc[d] += probs[j] * (exact - (tmp.tile_scale[g * kTile + j] * level(j, d) + tmp.tile_zero[g * kTile + j]));
+    });
   }
 
   // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kRow.
@@ -441,19 +439,26 @@ struct Operand {
     } else {
       dispatch([&](auto unpack_row) { tile_with(unpack_row, bh, T, t0, count, out, tmp); });
     }
-    for (int i = 0; i < count; ++i)  // exact outliers replace their channel's dense value
-      for_each_outlier(bh * T + t0 + i, [&](int d, float exact) { out[i * kRow + d] = exact; });
+    // exact outliers replace their channel's dense value
+    for_each_outlier(bh * T + t0, count, [&](int i, int d, float exact) { out[i * kRow + d] = exact; });
   }
 
-  // fn(channel, exact value) for each filled outlier slot of `token` (its index in [B * H * T]).
+  // fn(j, channel, exact value) for each filled outlier slot of the tokens `first + j`, j < count
+  // (indices in [B * H * T]). Their slots are contiguous, so the values are read as a few blocks, not
+  // one call per token (per token, this cost a kvquant format a tenth of its time).
   template <typename F>
-  void for_each_outlier(int64_t token, F&& fn) const {
+  void for_each_outlier(int64_t first, int count, F&& fn) const {
     if (!n_out) return;
     float vals[kMaxHeadDim];
-    load_floats(out_val_p + token * n_out * out_val_size, out_val_t, n_out, vals);
-    const uint8_t* idx = out_idx_p + token * n_out;
-    for (int o = 0; o < n_out; ++o)
-      if (idx[o] < dim) fn(static_cast<int>(idx[o]), vals[o]);  // an index >= dim marks an empty slot
+    const int per_block = std::max(1, kMaxHeadDim / n_out);  // tokens whose values fit in vals
+    for (int j0 = 0; j0 < count; j0 += per_block) {
+      const int m = std::min(per_block, count - j0);
+      load_floats(out_val_p + (first + j0) * n_out * out_val_size, out_val_t, int64_t{m} * n_out, vals);
+      const uint8_t* idx = out_idx_p + (first + j0) * n_out;
+      for (int j = 0; j < m; ++j)
+        for (int o = 0; o < n_out; ++o)  // an index >= dim marks an empty slot
+          if (idx[j * n_out + o] < dim) fn(j0 + j, static_cast<int>(idx[j * n_out + o]), vals[j * n_out + o]);
+    }
   }
 
   // Tokens [t0, t0 + count) of (batch, head) `bh` as bare levels, row i at out + i * kRow
@@ -1033,12 +1038,12 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
     }
     for (int h = 0; h < n_heads; ++h)
       for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
-    for (int j = i; n_out && j < end; ++j)
-      for_each_outlier(bh * T + t0 + j, [&](int d, float exact) {
-        const float level = fused ? level_at(rows + j * row_bytes, d) : lv[j * kRow + d];
-        const float delta = exact - (tmp.scale[d] * level + tmp.zero[d]);
-        for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
-      });
+    for_each_outlier(bh * T + t0 + i, end - i, [&](int jj, int d, float exact) {
+      const int j = i + jj;
+      const float level = fused ? level_at(rows + j * row_bytes, d) : lv[j * kRow + d];
+      const float delta = exact - (tmp.scale[d] * level + tmp.zero[d]);
+      for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
+    });
     i = end;
   }
 }
