@@ -100,8 +100,8 @@ template <int N> inline typename Vec<N>::i bytesv(const uint8_t* p) {  // N byte
   for (int l = 0; l < N; ++l) v[l] = p[l];
   return v;
 }
-// table[code] for 16-entry tables (codebook levels), N lanes.
-template <int N> inline typename Vec<N>::f lookupv(typename Vec<N>::i code, const float* table) {
+// table[code] for codebook levels of BITS-bit codes (tables of 16 entries), N lanes.
+template <int N, int BITS = 4> inline typename Vec<N>::f lookupv(typename Vec<N>::i code, const float* table) {
 #if defined(__AVX512F__)
   if constexpr (N == 16) return reinterpret_cast<typename Vec<N>::f>(_mm512_permutexvar_ps(reinterpret_cast<__m512i>(code), _mm512_loadu_ps(table)));
 #endif
@@ -109,8 +109,10 @@ template <int N> inline typename Vec<N>::f lookupv(typename Vec<N>::i code, cons
   if constexpr (N == 8) {
     const __m256i c = reinterpret_cast<__m256i>(code);
     const __m256 below = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), c);
+    if constexpr (BITS <= 3) return reinterpret_cast<typename Vec<N>::f>(below);  // codes < 8: one permute
     const __m256 above = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), c);
-    return reinterpret_cast<typename Vec<N>::f>(_mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7)))));
+    // code >= 8 picks `above`: blendv reads the sign bit, where a shift by 28 puts bit 3 of the code
+    return reinterpret_cast<typename Vec<N>::f>(_mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28))));
   }
 #endif
   typename Vec<N>::f v;
@@ -564,7 +566,7 @@ struct Operand {
           if constexpr (BITS == 3) word = word | (bytes8(r + P + jb) << 8) | (bytes8(r + 2 * P + jb) << 16);
           for (int i = 0; i < kPlanes; ++i) {
             const v8i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
-            const v8f level = CB ? lookupv<8>(code, levels) : __builtin_convertvector(code, v8f);
+            const v8f level = CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
             for (int h = 0; h < NH; ++h) {
               const v8f prod = load8(qs + h * dim + i * P + jb) * level;
               if (i % 2) b[h] += prod;
@@ -608,7 +610,7 @@ struct Operand {
           if constexpr (BITS == 3) word = word | (bytes8(r + P) << 8) | (bytes8(r + 2 * P) << 16);
           for (int i = 0; i < kSweep; ++i) {
             const v8i code = BITS == 8 ? word : (word >> ((p0 + i) * BITS)) & kMask;
-            const v8f level = CB ? lookupv<8>(code, levels) : __builtin_convertvector(code, v8f);
+            const v8f level = CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
             for (int h = 0; h < NH; ++h) a[h][i] += splat(wr[h][i][j]) * level;
           }
         }
@@ -671,9 +673,9 @@ struct Operand {
   }
 
   // N channels from N codes: levels (the integer grid, or the codebook), scaled if SCALED.
-  template <int N, bool CB, bool SCALED>
+  template <int N, int BITS, bool CB, bool SCALED>
   inline void emit(typename Vec<N>::i code, float* out, const float* sc, const float* zc) const {
-    typename Vec<N>::f v = CB ? lookupv<N>(code, levels) : __builtin_convertvector(code, typename Vec<N>::f);
+    typename Vec<N>::f v = CB ? lookupv<N, BITS>(code, levels) : __builtin_convertvector(code, typename Vec<N>::f);
     if constexpr (SCALED) v = v * loadv<N>(sc) + loadv<N>(zc);
     storev<N>(out, v);
   }
@@ -687,8 +689,8 @@ struct Operand {
     if constexpr (BITS == 8) {
       int c = 0;
       if constexpr (kWide == 16)
-        for (; c + 16 <= dim; c += 16) emit<16, CB, SCALED>(bytesv<16>(src + c), out + c, at(sc, c), at(zc, c));
-      for (; c + 8 <= dim; c += 8) emit<8, CB, SCALED>(bytesv<8>(src + c), out + c, at(sc, c), at(zc, c));
+        for (; c + 16 <= dim; c += 16) emit<16, BITS, CB, SCALED>(bytesv<16>(src + c), out + c, at(sc, c), at(zc, c));
+      for (; c + 8 <= dim; c += 8) emit<8, BITS, CB, SCALED>(bytesv<8>(src + c), out + c, at(sc, c), at(zc, c));
       for (; c < dim; ++c) out[c] = SCALED ? level1(src[c]) * sc[c] + zc[c] : level1(src[c]);
     } else {
       constexpr int planes = BITS == 3 ? 8 : 8 / BITS;
@@ -698,7 +700,7 @@ struct Operand {
         constexpr int N = decltype(n_c)::value;
         typename Vec<N>::i word = bytesv<N>(src + j);
         if constexpr (BITS == 3) word = word | (bytesv<N>(src + P + j) << 8) | (bytesv<N>(src + 2 * P + j) << 16);
-        for (int i = 0; i < planes; ++i) emit<N, CB, SCALED>((word >> (i * BITS)) & mask, out + i * P + j, at(sc, i * P + j), at(zc, i * P + j));
+        for (int i = 0; i < planes; ++i) emit<N, BITS, CB, SCALED>((word >> (i * BITS)) & mask, out + i * P + j, at(sc, i * P + j), at(zc, i * P + j));
       };
       int j = 0;
       if constexpr (kWide == 16)
