@@ -138,7 +138,7 @@ def test_native_kernels_can_be_turned_off(fresh_loader, monkeypatch):
 
 
 def test_pre_rope_keys_far_into_a_long_cache_match_the_reference_kernel():
-    """RoPE angles of positions near 2^18 (the kernel's own sin/cos, reduced in double) against the
+    """RoPE angles of positions near 2^18 (the kernel's own sin/cos, reduced in float32) against the
     reference kernel, which rotates with torch's float32 angles as the model does. (The float64
     reference of the other tests takes exact angles, which differ from float32 ones out here.)"""
     named = native_case(4, hkv=1, ratio=3, batch=1, blocks=2**14, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), pre_rope=True)
