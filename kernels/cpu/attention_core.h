@@ -577,7 +577,32 @@ struct Operand {
     v8f part[NH][8];
     for (int j0 = 0; j0 < count; j0 += 8) {
       const int n = std::min(8, count - j0);
-      for (int jj = 0; jj < n; ++jj) {
+      int jj = 0;
+      for (; jj + 2 <= n; jj += 2) {  // two rows at a time: each q vector loaded once for both
+        const uint8_t* r0 = src + (j0 + jj) * row_bytes;
+        const uint8_t* r1 = r0 + row_bytes;
+        v8f a[NH], b[NH];
+        for (int h = 0; h < NH; ++h) a[h] = b[h] = splat(0.f);
+        for (int jb = 0; jb < P; jb += 8) {
+          v8i w0 = bytes8(r0 + jb), w1 = bytes8(r1 + jb);
+          if constexpr (BITS == 3) {
+            w0 = w0 | (bytes8(r0 + P + jb) << 8) | (bytes8(r0 + 2 * P + jb) << 16);
+            w1 = w1 | (bytes8(r1 + P + jb) << 8) | (bytes8(r1 + 2 * P + jb) << 16);
+          }
+          for (int i = 0; i < kPlanes; ++i) {
+            const v8i c0 = BITS == 8 ? w0 : (w0 >> (i * BITS)) & kMask, c1 = BITS == 8 ? w1 : (w1 >> (i * BITS)) & kMask;
+            const v8f l0 = CB ? lookupv<8, BITS>(c0, levels) : __builtin_convertvector(c0, v8f);
+            const v8f l1 = CB ? lookupv<8, BITS>(c1, levels) : __builtin_convertvector(c1, v8f);
+            for (int h = 0; h < NH; ++h) {
+              const v8f qv = load8(qs + h * dim + i * P + jb);
+              a[h] += qv * l0;
+              b[h] += qv * l1;
+            }
+          }
+        }
+        for (int h = 0; h < NH; ++h) part[h][jj] = a[h], part[h][jj + 1] = b[h];
+      }
+      for (; jj < n; ++jj) {
         const uint8_t* r = src + (j0 + jj) * row_bytes;
         v8f a[NH], b[NH];
         for (int h = 0; h < NH; ++h) a[h] = b[h] = splat(0.f);
