@@ -1,0 +1,107 @@
+// The native CPU decode kernel timed alone, without Python: kvq_core::decode_attention (header only,
+// kernels/cpu/attention_core.h) on one layer's op arguments dumped by benchmarks/kernel_alone.py.
+// Each call finds the cache evicted (a 64 MiB buffer is rewritten before it), as a layer's cache is
+// by the rest of a model. Prints the median and min ms and a checksum of the output.
+//
+//   kernel_alone DIR SECONDS THREADS
+#include "attention_core.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Dumped {
+  std::vector<char> bytes;
+  kvq_core::View view;
+};
+
+// DIR/meta.txt: "T name dtype_code dim sizes..." (a contiguous tensor in DIR/name.bin),
+// "N name" (an absent optional tensor) or "S name value" (a scalar argument).
+void read_dump(const std::string& dir, std::map<std::string, Dumped>& tensors, std::map<std::string, double>& scalars) {
+  std::ifstream meta(dir + "/meta.txt");
+  if (!meta) throw std::runtime_error("no " + dir + "/meta.txt");
+  std::string line;
+  while (std::getline(meta, line)) {
+    std::istringstream in(line);
+    std::string kind, name;
+    in >> kind >> name;
+    if (kind == "S") {
+      in >> scalars[name];
+    } else if (kind == "T") {
+      int code, dim;
+      in >> code >> dim;
+      Dumped& t = tensors[name];
+      std::ifstream file(dir + "/" + name + ".bin", std::ios::binary);
+      t.bytes.assign(std::istreambuf_iterator<char>(file), {});
+      t.view.present = true;
+      t.view.data = t.bytes.data();
+      t.view.dtype = kvq_core::dtype_of_code(code);
+      t.view.dim = dim;
+      for (int i = 0; i < dim; ++i) in >> t.view.sizes[i];
+      int64_t stride = 1;
+      for (int i = dim - 1; i >= 0; --i) t.view.strides[i] = stride, stride *= t.view.sizes[i];
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s DIR SECONDS THREADS\n", argv[0]);
+    return 2;
+  }
+  const std::string dir = argv[1];
+  const double seconds = std::atof(argv[2]);
+  const int threads = std::atoi(argv[3]);
+  std::map<std::string, Dumped> t;
+  std::map<std::string, double> s;
+  read_dump(dir, t, s);
+  auto view = [&](const char* name) { return t.count(name) ? t[name].view : kvq_core::View{}; };
+  kvq_core::Args a;
+  a.q = view("q");
+  a.k_codes = view("k_codes"), a.k_scale = view("k_scale"), a.k_zero = view("k_zero"), a.k_codebook = view("k_codebook");
+  a.k_out_val = view("k_out_val"), a.k_out_idx = view("k_out_idx");
+  a.v_codes = view("v_codes"), a.v_scale = view("v_scale"), a.v_zero = view("v_zero"), a.v_codebook = view("v_codebook");
+  a.v_out_val = view("v_out_val"), a.v_out_idx = view("v_out_idx");
+  a.side_k = view("side_k"), a.side_v = view("side_v"), a.side_pos = view("side_pos"), a.body_end = view("body_end");
+  a.mask = view("mask"), a.rope_inv_freq = view("rope_inv_freq");
+  a.body_start = static_cast<int64_t>(s["body_start"]), a.scaling = s["scaling"], a.rope_scale = s["rope_scale"];
+  a.softcap = s["softcap"];
+  a.k_bits = s["k_bits"], a.k_axis = s["k_axis"], a.k_group = s["k_group"];
+  a.v_bits = s["v_bits"], a.v_axis = s["v_axis"], a.v_group = s["v_group"];
+
+  auto parallel_for = [threads](int64_t n, const auto& fn) {  // contiguous ranges, as ATen's
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t i = omp_get_thread_num(), k = omp_get_num_threads();
+      if (n * i / k < n * (i + 1) / k) fn(n * i / k, n * (i + 1) / k);
+    }
+  };
+  std::vector<float> out(a.q.size(0) * a.q.size(1) * a.side_v.size(3));
+  kvq_core::decode_attention(a, out.data(), threads, parallel_for);
+  double checksum = 0;
+  for (float x : out) checksum += x;
+
+  std::vector<float> evict(16 << 20);
+  std::vector<double> ms;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end || ms.size() < 5) {
+    for (float& x : evict) x += 1.f;
+    const auto t0 = std::chrono::steady_clock::now();
+    kvq_core::decode_attention(a, out.data(), threads, parallel_for);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  std::printf("%.4f %.4f %zu %.6f\n", ms[ms.size() / 2], ms[0], ms.size(), checksum);
+}

@@ -1,0 +1,104 @@
+"""The native CPU decode kernel alone, without Python in the timed loop, across kernel revisions.
+
+benchmarks/attention.py times the op as a model calls it, through the PyTorch dispatcher (~0.1 ms a
+call here) on a VM whose speed drifts between runs. For work on the kernel itself this script
+times `kvq_core::decode_attention` from a small C++ program (benchmarks/kernel_alone.cpp) on the
+same layer attention.py builds (SmolLM2's head shape, random N(0, 1) tokens through the cache's own
+`update()`), with the cache evicted before every call, and alternates the kernel of each given git
+revision round by round so that all see the same phases of the machine. Each row: the min and
+median ms over a round's calls (min over rounds), and a checksum of the output (revisions that
+compute the same thing agree to ~1e-6).
+
+    python benchmarks/kernel_alone.py --revisions ab5d6bd,HEAD --presets kivi-4,kivi-2,kvquant-3-1pct --threads 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common import save_json, smollm2, stamp
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = "kernels/cpu/attention_core.h"
+
+
+def dump_layer(op: dict, directory: Path) -> None:
+    """The op's arguments as kernel_alone.cpp reads them: contiguous tensors and a meta.txt."""
+    codes = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15, torch.uint8: 0, torch.int64: 4, torch.bool: 11}
+    lines = []
+    for name, value in op.items():
+        if isinstance(value, torch.Tensor):
+            value.contiguous().numpy().tofile(directory / f"{name}.bin")
+            lines.append(f"T {name} {codes[value.dtype]} {value.dim()} {' '.join(map(str, value.shape))}")
+        elif value is None:
+            lines.append(f"N {name}")
+        else:
+            lines.append(f"S {name} {float(value)}")
+    (directory / "meta.txt").write_text("\n".join(lines) + "\n")
+
+
+def build(revision: str, directory: Path) -> Path:
+    """kernel_alone.cpp compiled against the kernel header of a git revision (flags as the extension's)."""
+    from kvq_ao.kernels.cpu import CFLAGS
+
+    include = directory / "include"
+    include.mkdir(parents=True)
+    header = subprocess.run(["git", "show", f"{revision}:{HEADER}"], cwd=ROOT, check=True, capture_output=True).stdout
+    (include / "attention_core.h").write_bytes(header)
+    binary = directory / "kernel_alone"
+    subprocess.run(["g++", *CFLAGS, "-std=c++17", f"-I{include}", str(ROOT / "benchmarks/kernel_alone.cpp"), "-o", str(binary)],
+                   check=True)  # fmt: skip
+    return binary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--revisions", default="HEAD", help="comma-separated git revisions whose kernel is timed")
+    parser.add_argument("--presets", default="kivi-4,kivi-2,kvquant-3-1pct")
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=2.0, help="per revision, preset and thread count in a round")
+    parser.add_argument("--out", default="results/kernel_alone.json")
+    args = parser.parse_args()
+    revisions, presets = args.revisions.split(","), args.presets.split(",")
+    threads = [int(t) for t in args.threads.split(",")]
+
+    from attention import HQ, D, filled_layer, op_args
+
+    work = Path(tempfile.mkdtemp(prefix="kvq_kernel_alone_"))
+    commits = {r: subprocess.run(["git", "rev-parse", "--short", r], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+               for r in revisions}  # fmt: skip
+    binaries = {r: build(r, work / f"rev{i}") for i, r in enumerate(revisions)}
+    model, _ = smollm2(1)
+    q = torch.randn(1, HQ, 1, D, generator=torch.Generator().manual_seed(1))
+    for preset in presets:
+        (work / preset).mkdir()
+        dump_layer(op_args(filled_layer(model, preset, args.length), q), work / preset)
+
+    runs: dict[tuple, list] = {}
+    for _ in range(args.rounds):
+        for preset in presets:
+            for n in threads:
+                for revision in revisions:
+                    line = subprocess.run([str(binaries[revision]), str(work / preset), str(args.seconds), str(n)],
+                                          check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+                    runs.setdefault((preset, n, revision), []).append([float(x) for x in line])
+    rows = []
+    print(f"\n| format | cached tokens | threads | revision | min ms | median ms | checksum |\n|---|---:|---:|---|---:|---:|---:|")
+    for (preset, n, revision), r in runs.items():
+        row = dict(format=preset, tokens=args.length, threads=n, revision=revision, commit=commits[revision],
+                   min_ms=min(x[1] for x in r), median_ms=statistics.median(x[0] for x in r), checksum=r[0][3])  # fmt: skip
+        rows.append(row)
+        print(f"| {preset} | {args.length} | {n} | {revision} ({commits[revision]}) | {row['min_ms']:.3f} | {row['median_ms']:.3f} | {row['checksum']:.6f} |")
+    save_json(args.out, stamp(length=args.length, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
