@@ -570,62 +570,57 @@ struct Operand {
   // apart): each row's codes unpacked in registers and consumed there, no level tile written.
   template <int BITS, bool CB, int NH>
   void fused_scores(const float* qs, int64_t first, int count, float* scores) const {
-    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
-    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
-    const int P = dim / kPlanes;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     v8f part[NH][8];
     for (int j0 = 0; j0 < count; j0 += 8) {
       const int n = std::min(8, count - j0);
       int jj = 0;
-      for (; jj + 2 <= n; jj += 2) {  // two rows at a time: each q vector loaded once for both
-        const uint8_t* r0 = src + (j0 + jj) * row_bytes;
-        const uint8_t* r1 = r0 + row_bytes;
-        v8f a[NH], b[NH];
-        for (int h = 0; h < NH; ++h) a[h] = b[h] = splat(0.f);
-        for (int jb = 0; jb < P; jb += 8) {
-          v8i w0 = bytes8(r0 + jb), w1 = bytes8(r1 + jb);
-          if constexpr (BITS == 3) {
-            w0 = w0 | (bytes8(r0 + P + jb) << 8) | (bytes8(r0 + 2 * P + jb) << 16);
-            w1 = w1 | (bytes8(r1 + P + jb) << 8) | (bytes8(r1 + 2 * P + jb) << 16);
-          }
-          for (int i = 0; i < kPlanes; ++i) {
-            const v8i c0 = BITS == 8 ? w0 : (w0 >> (i * BITS)) & kMask, c1 = BITS == 8 ? w1 : (w1 >> (i * BITS)) & kMask;
-            const v8f l0 = CB ? lookupv<8, BITS>(c0, levels) : __builtin_convertvector(c0, v8f);
-            const v8f l1 = CB ? lookupv<8, BITS>(c1, levels) : __builtin_convertvector(c1, v8f);
-            for (int h = 0; h < NH; ++h) {
-              const v8f qv = load8(qs + h * dim + i * P + jb);
-              a[h] += qv * l0;
-              b[h] += qv * l1;
-            }
-          }
-        }
-        for (int h = 0; h < NH; ++h) part[h][jj] = a[h], part[h][jj + 1] = b[h];
-      }
-      for (; jj < n; ++jj) {
-        const uint8_t* r = src + (j0 + jj) * row_bytes;
-        v8f a[NH], b[NH];
-        for (int h = 0; h < NH; ++h) a[h] = b[h] = splat(0.f);
-        for (int jb = 0; jb < P; jb += 8) {
-          v8i word = bytes8(r + jb);
-          if constexpr (BITS == 3) word = word | (bytes8(r + P + jb) << 8) | (bytes8(r + 2 * P + jb) << 16);
-          for (int i = 0; i < kPlanes; ++i) {
-            const v8i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
-            const v8f level = CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
-            for (int h = 0; h < NH; ++h) {
-              const v8f prod = load8(qs + h * dim + i * P + jb) * level;
-              if (i % 2) b[h] += prod;
-              else a[h] += prod;
-            }
-          }
-        }
-        for (int h = 0; h < NH; ++h) part[h][jj] = a[h] + b[h];
-      }
+      for (; jj + 2 <= n; jj += 2) fused_row_block<BITS, CB, NH, 2>(qs, src + (j0 + jj) * row_bytes, part, jj);
+      if (jj < n) fused_row_block<BITS, CB, NH, 1>(qs, src + (j0 + jj) * row_bytes, part, jj);
       for (int h = 0; h < NH; ++h) {
         if (n == 8) hsum8x8(part[h], scores + h * kTile + j0);
         else for (int jj = 0; jj < n; ++jj) scores[h * kTile + j0 + jj] = hsum(part[h][jj]);
       }
     }
+  }
+
+  // part[h][jj + r] = lane-wise products of q row h with the levels of row r, r < ROWS (rows
+  // `row_bytes` apart from `rows`). The loop is bound by loads, so each q vector is loaded once for
+  // all ROWS rows; a row alone alternates two accumulators by plane so its FMAs do not wait on each other.
+  template <int BITS, bool CB, int NH, int ROWS>
+  void fused_row_block(const float* qs, const uint8_t* rows, v8f (&part)[NH][8], int jj) const {
+    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
+    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    constexpr int kChains = ROWS == 1 ? 2 : 1;
+    const int P = dim / kPlanes;
+    v8f s[kChains][ROWS][NH];
+    for (int c = 0; c < kChains; ++c)
+      for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < NH; ++h) s[c][r][h] = splat(0.f);
+    for (int jb = 0; jb < P; jb += 8) {
+      v8i word[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
+        const uint8_t* row = rows + r * row_bytes + jb;
+        word[r] = bytes8(row);
+        if constexpr (BITS == 3) word[r] = word[r] | (bytes8(row + P) << 8) | (bytes8(row + 2 * P) << 16);
+      }
+      for (int i = 0; i < kPlanes; ++i) {
+        v8f level[ROWS];
+        for (int r = 0; r < ROWS; ++r) {
+          const v8i code = BITS == 8 ? word[r] : (word[r] >> (i * BITS)) & kMask;
+          level[r] = CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
+        }
+        for (int h = 0; h < NH; ++h) {
+          const v8f qv = load8(qs + h * dim + i * P + jb);
+          for (int r = 0; r < ROWS; ++r) s[i % kChains][r][h] += qv * level[r];
+        }
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int r = 0; r < ROWS; ++r) {
+        if constexpr (kChains == 2) part[h][jj + r] = s[0][r][h] + s[1][r][h];
+        else part[h][jj + r] = s[0][r][h];
+      }
   }
 
   // acc[h][c] = acc[h][c] * correction[h] + zsum[h][c / group] + sum_j w[h][c / group][j] * level_j[c]
