@@ -7,14 +7,22 @@ same layer attention.py builds (SmolLM2's head shape, random N(0, 1) tokens thro
 `update()`), with the cache evicted before every call, and alternates the kernel of each given git
 revision round by round so that all see the same phases of the machine. Each row: the min and
 median ms over a round's calls (min over rounds), and a checksum of the output (revisions that
-compute the same thing agree to ~1e-6).
+compute the same thing agree to ~1e-6). `--perf` adds where one thread's time goes in the last
+revision's kernel: Linux perf's user-space samples by function, as shares of the kernel's own (the
+eviction loop and file reading left out), from a build that keeps the tile loop's steps (RoPE
+tables, rotation, scoring a float tile, masks, online softmax) out of line (KVQ_PROFILED; a call
+costs a few cycles against a step's hundreds). What the compiler still inlines counts in its caller:
+`decode_attention` is the rest of the tile loop.
 
     python benchmarks/kernel_alone.py --revisions ab5d6bd,HEAD --presets kivi-4,kivi-2,kvquant-3-1pct --threads 1,2
+    python benchmarks/kernel_alone.py --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct --threads 1 --perf
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -43,8 +51,9 @@ def dump_layer(op: dict, directory: Path) -> None:
     (directory / "meta.txt").write_text("\n".join(lines) + "\n")
 
 
-def build(revision: str, directory: Path) -> Path:
-    """kernel_alone.cpp compiled against the kernel header of a git revision (flags as the extension's)."""
+def build(revision: str, directory: Path, *extra: str) -> Path:
+    """kernel_alone.cpp compiled against the kernel header of a git revision (flags as the extension's,
+    plus `extra`)."""
     from kvq_ao.kernels.cpu import CFLAGS
 
     include = directory / "include"
@@ -52,9 +61,37 @@ def build(revision: str, directory: Path) -> Path:
     header = subprocess.run(["git", "show", f"{revision}:{HEADER}"], cwd=ROOT, check=True, capture_output=True).stdout
     (include / "attention_core.h").write_bytes(header)
     binary = directory / "kernel_alone"
-    subprocess.run(["g++", *CFLAGS, "-std=c++17", f"-I{include}", str(ROOT / "benchmarks/kernel_alone.cpp"), "-o", str(binary)],
+    subprocess.run(["g++", *CFLAGS, *extra, "-std=c++17", f"-I{include}", str(ROOT / "benchmarks/kernel_alone.cpp"), "-o", str(binary)],
                    check=True)  # fmt: skip
     return binary
+
+
+NOT_THE_KERNEL = ("main", "evict", "read_dump")  # the program's own functions
+
+
+def function_name(symbol: str) -> str:
+    """perf's symbol without namespaces, template arguments and lambdas: `kvq_core::Operand::
+    fused_values(...)::{lambda(auto:1, auto:2)#1}::operator()<...>` -> `fused_values`."""
+    head = re.split(r"[<(]", symbol.replace("(anonymous namespace)::", ""), maxsplit=1)[0]
+    return head.rsplit("::", 1)[-1] or symbol
+
+
+def profile(binary: Path, dump: Path, seconds: float) -> dict[str, float]:
+    """Percent of the kernel's samples per function, one thread, largest first."""
+    data = dump / "perf.data"
+    subprocess.run(["perf", "record", "-q", "-o", str(data), str(binary), str(dump), str(seconds), "1"], check=True,
+                   capture_output=True)  # fmt: skip
+    report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "sym"], check=True,
+                            capture_output=True, text=True).stdout  # fmt: skip
+    samples: dict[str, float] = {}
+    for line in report.splitlines():
+        match = re.match(r"\s*([\d.]+)%\s+\[\.\]\s+(.+)", line)  # user space ([k]: the program's page faults)
+        if match:
+            name = function_name(match.group(2).strip())
+            if name not in NOT_THE_KERNEL and "istreambuf" not in match.group(2):
+                samples[name] = samples.get(name, 0.0) + float(match.group(1))
+    total = sum(samples.values())
+    return {name: round(100 * share / total, 1) for name, share in sorted(samples.items(), key=lambda x: -x[1])}
 
 
 def main() -> None:
@@ -65,8 +102,11 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0, help="per revision, preset and thread count in a round")
+    parser.add_argument("--perf", action="store_true", help="add a per-function profile of each preset (needs Linux perf)")
     parser.add_argument("--out", default="results/kernel_alone.json")
     args = parser.parse_args()
+    if args.perf and shutil.which("perf") is None:
+        raise SystemExit("--perf needs Linux perf on PATH (perf record / perf report)")
     revisions, presets = args.revisions.split(","), args.presets.split(",")
     threads = [int(t) for t in args.threads.split(",")]
 
@@ -97,7 +137,15 @@ def main() -> None:
                    min_ms=min(x[1] for x in r), median_ms=statistics.median(x[0] for x in r), checksum=r[0][3])  # fmt: skip
         rows.append(row)
         print(f"| {preset} | {args.length} | {n} | {revision} ({commits[revision]}) | {row['min_ms']:.3f} | {row['median_ms']:.3f} | {row['checksum']:.6f} |")
-    save_json(args.out, stamp(length=args.length, rows=rows))
+    profiles = []
+    if args.perf:
+        profiled = build(revisions[-1], work / "profiled", "-DKVQ_PROFILED=__attribute__((noinline))")
+        for preset in presets:
+            shares = profile(profiled, work / preset, args.seconds)
+            profiles.append(dict(format=preset, tokens=args.length, threads=1, commit=commits[revisions[-1]], percent=shares))
+            top = ", ".join(f"{name} {share:.0f}%" for name, share in list(shares.items())[:8])
+            print(f"{preset}, one thread, share of the kernel's samples: {top}")
+    save_json(args.out, stamp(length=args.length, rows=rows, **({"profiles": profiles} if profiles else {})))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,12 @@
 #include <type_traits>
 #include <vector>
 
+// A profiling build (benchmarks/kernel_alone.py --perf) defines KVQ_PROFILED as noinline, so that the
+// steps of the tile loop show up in a profile as functions of their own; everywhere else it is empty.
+#ifndef KVQ_PROFILED
+#define KVQ_PROFILED
+#endif
+
 namespace kvq_core {
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -831,7 +837,7 @@ inline Operand make_operand(const char* name, const View& codes, const View& sca
 }
 
 // RoPE of a key row at its position, as kvq_ao.quant.rope.rotate: channel pairs (i, i + D/2).
-inline void rotate_row(float* x, const float* cos, const float* sin, int dim, float scale) {
+KVQ_PROFILED inline void rotate_row(float* x, const float* cos, const float* sin, int dim, float scale) {
   const int half = dim / 2;
   for (int i = 0; i < half; ++i) {
     const float c = cos[i] * scale, s = sin[i] * scale, a = x[i], b = x[i + half];
@@ -840,7 +846,7 @@ inline void rotate_row(float* x, const float* cos, const float* sin, int dim, fl
   }
 }
 
-inline void angles(int64_t pos, const float* inv_freq, int half, float* cos, float* sin) {
+KVQ_PROFILED inline void angles(int64_t pos, const float* inv_freq, int half, float* cos, float* sin) {
   const float p = static_cast<float>(pos);
   int i = 0;
   for (; i + 8 <= half; i += 8) {  // float32 angles p * inv_freq, as torch computes them
@@ -967,7 +973,7 @@ inline void dot8(const float* q, const float* k, int dim, float* out) {
 
 // Scores of `n_heads` query heads (rows `dim` apart at q) against `count` float key rows
 // (kRow apart): scores[h * kTile + i].
-inline void score_rows(const float* q, int n_heads, int dim, int count, const float* keys, float* scores) {
+KVQ_PROFILED inline void score_rows(const float* q, int n_heads, int dim, int count, const float* keys, float* scores) {
   for (int h = 0; h < n_heads; ++h) {
     const float* qh = q + h * dim;
     float* sh = scores + h * kTile;
@@ -982,7 +988,7 @@ inline void score_rows(const float* q, int n_heads, int dim, int count, const fl
 
 // Raw scores -> scaled, soft-capped and masked (`visible[h * kTile + i]`); each head's best score in
 // best_of. False when no head of the group sees any token of the tile.
-inline bool mask_scores(float* scores, int n_heads, int count, const uint8_t* visible, float scaling, float softcap, float* best_of) {
+KVQ_PROFILED inline bool mask_scores(float* scores, int n_heads, int count, const uint8_t* visible, float scaling, float softcap, float* best_of) {
   bool any = false;
   for (int h = 0; h < n_heads; ++h) {
     float* sh = scores + h * kTile;
@@ -1016,7 +1022,7 @@ inline bool mask_scores(float* scores, int n_heads, int count, const uint8_t* vi
 
 // Online softmax over one tile of one head: probs = exp(score - new max), the running max and sum
 // updated; returns the factor the head's accumulated values must be rescaled by.
-inline float softmax_step(const float* sh, int count, float best, Partial& part, float* probs) {
+KVQ_PROFILED inline float softmax_step(const float* sh, int count, float best, Partial& part, float* probs) {
   const float new_max = std::max(part.max, best);
   const float correction = part.max == kNegInf ? 0.f : std::exp(part.max - new_max);
   int i = 0;
