@@ -77,7 +77,8 @@ def function_name(symbol: str) -> str:
 
 
 def profile(binary: Path, dump: Path, seconds: float) -> dict[str, float]:
-    """Percent of the kernel's samples per function, one thread, largest first."""
+    """Percent of the kernel's samples per function, one thread, largest first (those under 0.5%
+    together)."""
     data = dump / "perf.data"
     subprocess.run(["perf", "record", "-q", "-o", str(data), str(binary), str(dump), str(seconds), "1"], check=True,
                    capture_output=True)  # fmt: skip
@@ -91,7 +92,9 @@ def profile(binary: Path, dump: Path, seconds: float) -> dict[str, float]:
             if name not in NOT_THE_KERNEL and "istreambuf" not in match.group(2):
                 samples[name] = samples.get(name, 0.0) + float(match.group(1))
     total = sum(samples.values())
-    return {name: round(100 * share / total, 1) for name, share in sorted(samples.items(), key=lambda x: -x[1])}
+    percent = {name: 100 * share / total for name, share in sorted(samples.items(), key=lambda x: -x[1])}
+    shown = {name: round(p, 1) for name, p in percent.items() if p >= 0.5}
+    return {**shown, "other (< 0.5% each)": round(100 - sum(shown.values()), 1)}
 
 
 def main() -> None:
