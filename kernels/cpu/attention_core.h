@@ -65,6 +65,7 @@ constexpr int kZsum = kMaxHeadDim / 8;  // zero sums per head: one per group of 
 // L1's sets, and a tile of keys and one of values would evict each other (measured 1.5x slower).
 constexpr int kRow = kMaxHeadDim + 16;
 constexpr int kMaxGroupHeads = 64;   // query heads per kv head
+constexpr int kMaxRopeSlots = 2;     // outlier slots a pre-RoPE key vector may have on the fused path
 // Lanes of the widest float register: the hot loops' 16-lane blocks keep 8-16 accumulators, which
 // fit AVX-512's 32 registers but spill on AVX2's 16 (measured 2x slower on a Zen 3 there).
 #if defined(__AVX512F__)
@@ -77,6 +78,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8i splat_i(int32_t x) { return v8i{x, x, x, x, x, x, x, x}; }
 inline v8i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes
 #if defined(__AVX2__)
   return reinterpret_cast<v8i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -442,6 +444,8 @@ struct Operand {
   // with per-token groups accumulated from their levels.
   void direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
                          float* scores, Scratch& tmp) const;
+  void rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const float* cos_t, const float* sin_t, float* out,
+                 Scratch& tmp) const;
   void direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv, const Scratch& tmp,
                          int64_t bh, int64_t T, int64_t t0) const;
   void token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum) const;
@@ -628,6 +632,58 @@ struct Operand {
         else part[h][jj + r] = s[0][r][h];
       }
   }
+
+  // Pre-RoPE keys in per-channel groups as rotated float rows: out[j * kRow + c] = rotate(sc * level_j
+  // + zc, with token j's NS exact outliers in place)[c] for the tokens `first + j`, j < count, each
+  // row unpacked, scaled, patched and rotated at its token's angles (cos/sin rows dim/2 apart, already
+  // times rope_scale) in registers and stored once (before: a tile written, patched, then read and
+  // rewritten by the rotation). Channel pairs (c, c + dim/2) come from planes i and i + planes/2 of
+  // the same code word (8-bit codes: two words). Needs rope_fusable().
+  template <int BITS, bool CB, int NS>
+  void rope_rows(int64_t first, int count, const float* cos_t, const float* sin_t, const float* sc, const float* zc,
+                 const float* out_vals, float* out) const {
+    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
+    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    const int P = dim / kPlanes, half = dim / 2;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
+    const uint8_t* idx = NS ? out_idx_p + first * NS : nullptr;
+    const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    auto level = [&](v8i code) { return CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f); };
+    for (int j = 0; j < count; ++j) {
+      const uint8_t* r = src + j * row_bytes;
+      const float* cr = cos_t + j * half;
+      const float* sr = sin_t + j * half;
+      float* y = out + j * kRow;
+      v8i at[NS + 1];  // the row's outlier channels (>= dim: none) and exact values, broadcast
+      v8f exact[NS + 1];
+      for (int o = 0; o < NS; ++o) at[o] = splat_i(idx[j * NS + o]), exact[o] = splat(out_vals[j * NS + o]);
+      auto pair = [&](v8f l1, v8f l2, int c) {  // channels [c, c + 8) and their partners [c + half, c + half + 8)
+        v8f x1 = l1 * load8(sc + c) + load8(zc + c), x2 = l2 * load8(sc + c + half) + load8(zc + c + half);
+        for (int o = 0; o < NS; ++o) {  // an exact outlier replaces its channel's dense value
+          x1 = at[o] == lanes + c ? exact[o] : x1;
+          x2 = at[o] == lanes + (c + half) ? exact[o] : x2;
+        }
+        const v8f cs = load8(cr + c), sn = load8(sr + c);
+        store8(y + c, x1 * cs - x2 * sn);
+        store8(y + c + half, x2 * cs + x1 * sn);
+      };
+      if constexpr (BITS == 8) {
+        for (int c = 0; c < half; c += 8) pair(level(bytes8(r + c)), level(bytes8(r + c + half)), c);
+      } else {
+        for (int jb = 0; jb < P; jb += 8) {
+          v8i word = bytes8(r + jb);
+          if constexpr (BITS == 3) word = word | (bytes8(r + P + jb) << 8) | (bytes8(r + 2 * P + jb) << 16);
+          for (int i = 0; i < kPlanes / 2; ++i)
+            pair(level((word >> (i * BITS)) & kMask), level((word >> ((i + kPlanes / 2) * BITS)) & kMask), i * P + jb);
+        }
+      }
+    }
+  }
+
+  // rope_rows's layout needs: whole 8-channel blocks in every plane, and an even plane count
+  // (or 8-bit codes with dim/2 a multiple of 8), so each block's RoPE partner is a block too; and
+  // few outlier slots a vector (each costs two compares and blends per block).
+  bool rope_fusable() const { return fusable() && dim % 16 == 0 && n_out <= kMaxRopeSlots; }
 
   // acc[h][c] = acc[h][c] * correction[h] + zsum[h][c / group] + sum_j w[h][c / group][j] * level_j[c]
   // for h < NH, the tokens `first + j`, j < count (w rows [NH][groups][kTile], zsum rows kZsum
@@ -1096,6 +1152,37 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
   }
 }
 
+// Pre-RoPE keys in per-channel groups (tile t0, `count` tokens; cos/sin tables times rope_scale) as
+// rotated float rows `kRow` apart, exact outliers patched in registers before the rotation
+// (rope_rows), segment by segment of one scale row: one pass instead of dequantize, patch, rotate.
+void Operand::rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const float* cos_t, const float* sin_t, float* out,
+                        Scratch& tmp) const {
+  const int half = dim / 2;
+  alignas(64) float out_vals[kTile * kMaxRopeSlots];
+  for (int i = 0; i < count;) {
+    const int64_t row = (t0 + i) / group;
+    const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
+    const int64_t meta_row = bh * (T / group) + row;
+    if (meta_row != tmp.meta_row) {
+      load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
+      load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
+      tmp.meta_row = meta_row;
+    }
+    const int64_t first = bh * T + t0 + i;
+    if (n_out) load_floats(out_val_p + first * n_out * out_val_size, out_val_t, int64_t{end - i} * n_out, out_vals);
+    with_format([&](auto bits_c, auto cb_c) {
+      constexpr int B = decltype(bits_c)::value;
+      constexpr bool CB = decltype(cb_c)::value;
+      const float *cr = cos_t + i * half, *sr = sin_t + i * half;
+      float* o = out + i * kRow;
+      if (n_out == 0) rope_rows<B, CB, 0>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
+      else if (n_out == 1) rope_rows<B, CB, 1>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
+      else rope_rows<B, CB, 2>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
+    });
+    i = end;
+  }
+}
+
 // The softmax weights of a tile's values in per-token groups: w[g][j] = p_j * scale_jg (rows kTile
 // apart) and zsum[g] = sum_j p_j * zero_jg. Hidden tokens (p = 0) contribute nothing, whatever
 // their scale.
@@ -1256,6 +1343,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   const int half = static_cast<int>(D / 2);
   const int nh = static_cast<int>(n_heads), dk = static_cast<int>(D), dv = static_cast<int>(Dv);
   const bool direct_k = K.bits != 0 && K.axis == 1 && !pre_rope;
+  const bool rope_k = K.bits != 0 && K.axis == 1 && pre_rope && K.rope_fusable();
   const bool direct_v = V.bits != 0 && V.axis == 0 && V.group % 8 == 0;
   const bool fused_v = direct_v && V.fusable();
 
@@ -1311,6 +1399,9 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
             const float* qg = q_data + (b * Hq + hkv * n_heads) * D;
             if (direct_k) {
               K.direct_key_scores(qg, nh, bh, T, t0, count, ktile, scores, *k_tmp);
+            } else if (rope_k) {
+              K.rope_tile(bh, T, t0, count, cos_t, sin_t, ktile, *k_tmp);
+              score_rows(qg, nh, dk, count, ktile, scores);
             } else {
               K.tile(bh, T, t0, count, ktile, *k_tmp);
               if (pre_rope)
@@ -1350,6 +1441,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
           const int count = tile_count(t0);
           for (int i = 0; i < count; ++i) angles(a.position_offset + t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
+          if (rope_k && rope_f != 1.f)  // the fused path takes the tables already scaled
+            for (int i = 0; i < count * half; ++i) cos_t[i] *= rope_f, sin_t[i] *= rope_f;
           for (int64_t b = 0; b < B; ++b)
             for (int64_t hkv = 0; hkv < Hkv; ++hkv) one_tile(t0, count, b, hkv);
         }

@@ -78,13 +78,14 @@ def test_native_decode_attention_reads_calibrated_key_ranges(codebook, outliers,
     check(named)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("codebook, outliers", [(False, 0), (True, 2)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("codebook, outliers", [(False, 0), (True, 1), (True, 2), (False, 3)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_pre_rope_keys_of_every_width_with_outliers_and_scale_rows_changing_mid_tile(bits, codebook, outliers, d):
-    """Pre-RoPE per-channel keys at 2/3/4 bits: outliers replacing rotated channels, scale rows
-    changing mid-tile (groups of 16 tokens, tiles of 64), a tile cut short by the body's end, and
-    the kernel's own sin/cos (float polynomials after a double reduction)."""
+    """Pre-RoPE per-channel keys at 2/3/4/8 bits: outliers replacing rotated channels (up to 2 slots a
+    vector patched in registers, 3 through the float tile; 8-bit levels are the integer grid even where
+    a codebook is asked for), scale rows changing mid-tile (groups of 16 tokens, tiles of 64), a tile
+    cut short by the body's end, and the kernel's own sin/cos."""
     named = native_case(7 + bits, hkv=2, ratio=3, d=d, blocks=9, body_end=16 * 9 - 5, pre_rope=True,
                         k_fmt=(bits, AXIS_CHANNEL, 16, codebook, outliers), v_fmt=(bits, AXIS_TOKEN, 16, codebook, 0))  # fmt: skip
     check(named)
