@@ -544,6 +544,16 @@ struct Operand {
   // Whether the fused paths below serve this operand: quantized, and a plane is whole 8-lane blocks.
   bool fusable() const { return bits != 0 && (dim / planes()) % 8 == 0; }
 
+  // Per-channel groups: tmp.scale/tmp.zero hold scale row `meta_row` ([batch * heads * T / group]).
+  // Returns whether it had to load them (the rows a caller derives from them are then stale too).
+  bool load_scale_row(int64_t meta_row, Scratch& tmp) const {
+    if (meta_row == tmp.meta_row) return false;
+    load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
+    load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
+    tmp.meta_row = meta_row;
+    return true;
+  }
+
   // The bare level of channel d of a packed row (for outlier corrections; scalar).
   float level_at(const uint8_t* row, int d) const {
     if (bits == 8) return level1(row[d]);
@@ -754,12 +764,7 @@ struct Operand {
     if (axis == 0) token_meta(bh, T, t0, count, tmp);
     for (int i = 0; i < count; ++i) {
       if (axis == 1) {  // per-channel groups of `group` tokens: one scale/zero row [dim] per group
-        const int64_t meta_row = bh * (T / group) + (t0 + i) / group;
-        if (meta_row != tmp.meta_row) {
-          load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
-          load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
-          tmp.meta_row = meta_row;
-        }
+        load_scale_row(bh * (T / group) + (t0 + i) / group, tmp);
       } else {  // spread the token's group scales over its channels
         for (int g = 0; g < groups; ++g) {
           const float sc = tmp.tile_scale[g * kTile + i], z = tmp.tile_zero[g * kTile + i];
@@ -1112,16 +1117,11 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
   for (int i = 0; i < count;) {
     const int64_t row = (t0 + i) / group;
     const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
-    const int64_t meta_row = bh * (T / group) + row;
-    if (meta_row != tmp.meta_row) {
-      load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
-      load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
+    if (load_scale_row(bh * (T / group) + row, tmp))
       for (int h = 0; h < n_heads; ++h) {
         for (int d = 0; d < dim; ++d) tmp.qs[h * dim + d] = q[h * dim + d] * tmp.scale[d];
         tmp.bias[h] = dot(q + h * dim, tmp.zero, dim);
       }
-      tmp.meta_row = meta_row;
-    }
     if (fused) {
       with_format([&](auto bits_c, auto cb_c) {
         constexpr int B = decltype(bits_c)::value, kMax = 4;  // 2 x 4 accumulators
@@ -1162,12 +1162,7 @@ void Operand::rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const floa
   for (int i = 0; i < count;) {
     const int64_t row = (t0 + i) / group;
     const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
-    const int64_t meta_row = bh * (T / group) + row;
-    if (meta_row != tmp.meta_row) {
-      load_floats(scale_p + meta_row * dim * scale_size, scale_t, dim, tmp.scale);
-      load_floats(zero_p + meta_row * dim * zero_size, zero_t, dim, tmp.zero);
-      tmp.meta_row = meta_row;
-    }
+    load_scale_row(bh * (T / group) + row, tmp);
     const int64_t first = bh * T + t0 + i;
     if (n_out) load_floats(out_val_p + first * n_out * out_val_size, out_val_t, int64_t{end - i} * n_out, out_vals);
     with_format([&](auto bits_c, auto cb_c) {
