@@ -88,6 +88,15 @@ inline v8i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes
 }
 inline float hsum(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
+// Planar packing (kvq_ao/quant/packing.py) at compile time: the planes of a row, and the 8 code
+// words at byte j of a row (P bytes a plane; a 3-bit code word spans three bytes, P apart).
+template <int BITS> constexpr int kPlanesOf = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
+template <int BITS> inline v8i code_words(const uint8_t* row, int j, int P) {
+  v8i word = bytes8(row + j);
+  if constexpr (BITS == 3) word = word | (bytes8(row + P + j) << 8) | (bytes8(row + 2 * P + j) << 16);
+  return word;
+}
+
 // N-lane vectors for the hot loops: 16 lanes (one AVX-512 register, or two AVX2 ones) where a row
 // allows, 8 lanes for the rest.
 template <int N> struct Vec {
@@ -586,6 +595,14 @@ struct Operand {
   template <int BITS>
   static constexpr int max_pass_heads() { return BITS == 4 || BITS == 8 ? 4 : 3; }
 
+  // The bare levels (the integer grid, or the codebook) of plane i of 8 code words (code_words).
+  template <int BITS, bool CB>
+  v8f plane_levels(v8i word, int i) const {
+    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    const v8i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
+    return CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
+  }
+
   // scores[h * kTile + j] = qs[h] . levels of token `first + j`, j < count, h < NH (qs rows `dim`
   // apart): each row's codes unpacked in registers and consumed there, no level tile written.
   template <int BITS, bool CB, int NH>
@@ -609,9 +626,7 @@ struct Operand {
   // all ROWS rows; a row alone alternates two accumulators by plane so its FMAs do not wait on each other.
   template <int BITS, bool CB, int NH, int ROWS>
   void fused_row_block(const float* qs, const uint8_t* rows, v8f (&part)[NH][8], int jj) const {
-    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
-    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
-    constexpr int kChains = ROWS == 1 ? 2 : 1;
+    constexpr int kPlanes = kPlanesOf<BITS>, kChains = ROWS == 1 ? 2 : 1;
     const int P = dim / kPlanes;
     v8f s[kChains][ROWS][NH];
     for (int c = 0; c < kChains; ++c)
@@ -619,17 +634,10 @@ struct Operand {
         for (int h = 0; h < NH; ++h) s[c][r][h] = splat(0.f);
     for (int jb = 0; jb < P; jb += 8) {
       v8i word[ROWS];
-      for (int r = 0; r < ROWS; ++r) {
-        const uint8_t* row = rows + r * row_bytes + jb;
-        word[r] = bytes8(row);
-        if constexpr (BITS == 3) word[r] = word[r] | (bytes8(row + P) << 8) | (bytes8(row + 2 * P) << 16);
-      }
+      for (int r = 0; r < ROWS; ++r) word[r] = code_words<BITS>(rows + r * row_bytes, jb, P);
       for (int i = 0; i < kPlanes; ++i) {
         v8f level[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
-          const v8i code = BITS == 8 ? word[r] : (word[r] >> (i * BITS)) & kMask;
-          level[r] = CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
-        }
+        for (int r = 0; r < ROWS; ++r) level[r] = plane_levels<BITS, CB>(word[r], i);
         for (int h = 0; h < NH; ++h) {
           const v8f qv = load8(qs + h * dim + i * P + jb);
           for (int r = 0; r < ROWS; ++r) s[i % kChains][r][h] += qv * level[r];
@@ -652,13 +660,11 @@ struct Operand {
   template <int BITS, bool CB, int NS>
   void rope_rows(int64_t first, int count, const float* cos_t, const float* sin_t, const float* sc, const float* zc,
                  const float* out_vals, float* out) const {
-    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
-    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    constexpr int kPlanes = kPlanesOf<BITS>;
     const int P = dim / kPlanes, half = dim / 2;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     const uint8_t* idx = NS ? out_idx_p + first * NS : nullptr;
     const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    auto level = [&](v8i code) { return CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f); };
     for (int j = 0; j < count; ++j) {
       const uint8_t* r = src + j * row_bytes;
       const float* cr = cos_t + j * half;
@@ -678,13 +684,13 @@ struct Operand {
         store8(y + c + half, x2 * cs + x1 * sn);
       };
       if constexpr (BITS == 8) {
-        for (int c = 0; c < half; c += 8) pair(level(bytes8(r + c)), level(bytes8(r + c + half)), c);
+        for (int c = 0; c < half; c += 8)
+          pair(plane_levels<BITS, CB>(bytes8(r + c), 0), plane_levels<BITS, CB>(bytes8(r + c + half), 0), c);
       } else {
         for (int jb = 0; jb < P; jb += 8) {
-          v8i word = bytes8(r + jb);
-          if constexpr (BITS == 3) word = word | (bytes8(r + P + jb) << 8) | (bytes8(r + 2 * P + jb) << 16);
+          const v8i word = code_words<BITS>(r, jb, P);
           for (int i = 0; i < kPlanes / 2; ++i)
-            pair(level((word >> (i * BITS)) & kMask), level((word >> ((i + kPlanes / 2) * BITS)) & kMask), i * P + jb);
+            pair(plane_levels<BITS, CB>(word, i), plane_levels<BITS, CB>(word, i + kPlanes / 2), i * P + jb);
         }
       }
     }
@@ -701,8 +707,7 @@ struct Operand {
   // channels stay in registers over the tile while each row's codes are unpacked once for all NH heads.
   template <int BITS, bool CB, int NH>
   void fused_accumulate(float* const* acc, const float* correction, const float* w, const float* zsum, int64_t first, int count) const {
-    constexpr int kPlanes = BITS == 8 ? 1 : BITS == 3 ? 8 : 8 / BITS;
-    constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    constexpr int kPlanes = kPlanesOf<BITS>;
     const int P = dim / kPlanes, groups = dim / group;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     constexpr int kSweep = sweep_planes<BITS>();
@@ -717,12 +722,9 @@ struct Operand {
             wr[h][i] = w + (h * groups + c / group) * kTile;
           }
         for (int j = 0; j < count; ++j) {
-          const uint8_t* r = src + j * row_bytes + jb;
-          v8i word = bytes8(r);
-          if constexpr (BITS == 3) word = word | (bytes8(r + P) << 8) | (bytes8(r + 2 * P) << 16);
+          const v8i word = code_words<BITS>(src + j * row_bytes, jb, P);
           for (int i = 0; i < kSweep; ++i) {
-            const v8i code = BITS == 8 ? word : (word >> ((p0 + i) * BITS)) & kMask;
-            const v8f level = CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
+            const v8f level = plane_levels<BITS, CB>(word, p0 + i);
             for (int h = 0; h < NH; ++h) a[h][i] += splat(wr[h][i][j]) * level;
           }
         }
@@ -897,17 +899,20 @@ inline Operand make_operand(const char* name, const View& codes, const View& sca
   return o;
 }
 
-// RoPE of a key row at its position, as kvq_ao.quant.rope.rotate: channel pairs (i, i + D/2).
-KVQ_PROFILED inline void rotate_row(float* x, const float* cos, const float* sin, int dim, float scale) {
+// RoPE of a key row at its position, as kvq_ao.quant.rope.rotate: channel pairs (i, i + D/2), with
+// the tables of `angles` (the rope scale already in them).
+KVQ_PROFILED inline void rotate_row(float* x, const float* cos, const float* sin, int dim) {
   const int half = dim / 2;
   for (int i = 0; i < half; ++i) {
-    const float c = cos[i] * scale, s = sin[i] * scale, a = x[i], b = x[i + half];
+    const float c = cos[i], s = sin[i], a = x[i], b = x[i + half];
     x[i] = a * c - b * s;
     x[i + half] = b * c + a * s;
   }
 }
 
-KVQ_PROFILED inline void angles(int64_t pos, const float* inv_freq, int half, float* cos, float* sin) {
+// cos and sin of position `pos` at each frequency, times the rope scale (attention scaling of
+// scaled RoPE variants; 1 for plain RoPE), as every rotation here takes them.
+KVQ_PROFILED inline void angles(int64_t pos, const float* inv_freq, int half, float scale, float* cos, float* sin) {
   const float p = static_cast<float>(pos);
   int i = 0;
   for (; i + 8 <= half; i += 8) {  // float32 angles p * inv_freq, as torch computes them
@@ -917,6 +922,8 @@ KVQ_PROFILED inline void angles(int64_t pos, const float* inv_freq, int half, fl
     store8(cos + i, c);
   }
   for (; i < half; ++i) sincos1(p * inv_freq[i], sin + i, cos + i);
+  if (scale != 1.f)  // skipped at scale 1, and kept out of the sincos loop (inside it, kvquant timed ~2% slower)
+    for (i = 0; i < half; ++i) sin[i] *= scale, cos[i] *= scale;
 }
 
 // Running softmax state of one query head over one task's tokens.
@@ -1401,7 +1408,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
               K.tile(bh, T, t0, count, ktile, *k_tmp);
               if (pre_rope)
                 for (int i = 0; i < count; ++i)
-                  rotate_row(ktile + i * kRow, cos_t + i * half, sin_t + i * half, dk, rope_f);
+                  rotate_row(ktile + i * kRow, cos_t + i * half, sin_t + i * half, dk);
               score_rows(qg, nh, dk, count, ktile, scores);
             }
             if (!mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of)) return;
@@ -1435,9 +1442,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
       if (pre_rope) {  // tile-major: one table of cos/sin per tile, shared by every batch row and kv head
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
           const int count = tile_count(t0);
-          for (int i = 0; i < count; ++i) angles(a.position_offset + t0 + i, inv_freq.data(), half, cos_t + i * half, sin_t + i * half);
-          if (rope_k && rope_f != 1.f)  // the fused path takes the tables already scaled
-            for (int i = 0; i < count * half; ++i) cos_t[i] *= rope_f, sin_t[i] *= rope_f;
+          for (int i = 0; i < count; ++i)
+            angles(a.position_offset + t0 + i, inv_freq.data(), half, rope_f, cos_t + i * half, sin_t + i * half);
           for (int64_t b = 0; b < B; ++b)
             for (int64_t hkv = 0; hkv < Hkv; ++hkv) one_tile(t0, count, b, hkv);
         }
@@ -1479,8 +1485,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
             load_floats(side_k.bytes() + (bh * S + s) * D * dtype_size(side_k.dtype), side_k.dtype, D, krow);
             load_floats(side_v.bytes() + (bh * S + s) * Dv * dtype_size(side_v.dtype), side_v.dtype, Dv, vtile + count * kRow);
             if (pre_rope) {
-              angles(a.position_offset + p, inv_freq.data(), half, cos_t, sin_t);
-              rotate_row(krow, cos_t, sin_t, dk, rope_f);
+              angles(a.position_offset + p, inv_freq.data(), half, rope_f, cos_t, sin_t);
+              rotate_row(krow, cos_t, sin_t, dk);
             }
             if (++count == kTile) flush();
           }
