@@ -6,8 +6,9 @@ What it does, and nothing more:
 2. switches the model's attention to "kvq", an attention function registered with
    transformers' `AttentionInterface` that sends `QuantizedKV` keys/values to
    `torch.ops.kvq.decode_attention` / `kvq.chunk_attention` (anything else goes to SDPA as before);
-3. makes `model.generate()` build a `QuantizedKVCache` (static if `cache_implementation="static"`
-   or a compile config asks for it) whenever the caller does not pass a cache.
+3. makes `model.generate()` build a `QuantizedKVCache` of the kind transformers would build
+   (static for `cache_implementation="static"`, else dynamic) whenever the caller passes no cache
+   and keeps `use_cache` on, with chunked prefill of long prompts by default.
 No model code is patched; `model.kvq_config` records the config.
 """
 
@@ -18,6 +19,7 @@ import sys
 import types
 
 import torch
+from transformers.cache_utils import StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -157,34 +159,65 @@ def quantize_kv_(model, config: KVQuantConfig):
     if not hasattr(model, "_kvq_original_prepare_cache"):
         model._kvq_original_prepare_cache = model._prepare_cache_for_generation
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+        model._kvq_original_prefill = model._prefill
+        model._prefill = types.MethodType(_prefill, model)
+        _set_default_prefill_chunk(model)
     return model
 
 
-PREFILL_CHUNK = 2048  # generate()'s default prefill chunk with a dynamic quantized cache (prefill_chunk_size= overrides)
+PREFILL_CHUNK = 2048  # generate()'s default prefill chunk with a quantized cache (prefill_chunk_size= overrides)
+
+
+def _set_default_prefill_chunk(model) -> None:
+    """Make chunked prefill the model's default (its `generation_config`), so a caller's own
+    `prefill_chunk_size=`, None included, overrides it the usual transformers way."""
+    gc = getattr(model, "generation_config", None)
+    if gc is not None and gc.prefill_chunk_size is None:
+        gc.prefill_chunk_size = PREFILL_CHUNK
+        model._kvq_default_prefill_chunk = PREFILL_CHUNK
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
-    """generate() hook: build a QuantizedKVCache unless the caller brought a cache.
+    """generate() hook: the quantized equivalent of the cache transformers would build.
 
-    A dynamic cache also gets chunked prefill by default (transformers' `prefill_chunk_size`, here
-    PREFILL_CHUNK tokens unless the caller set it): a long prompt goes through the model and into
-    the quantized cache a chunk at a time, so the prompt's float activations and K/V never exist
-    at once. (Static caches keep transformers' default: a compiled prefill would compile a graph
-    per chunk shape.)"""
-    if model_kwargs.get("cache") is None and getattr(self, "kvq_config", None) is not None:
-        static = generation_config.cache_implementation == "static" or generation_config.compile_config is not None
-        if not static and generation_config.prefill_chunk_size is None:
-            generation_config.prefill_chunk_size = PREFILL_CHUNK
-        if generation_config.cache_implementation not in (None, "dynamic", "static"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} conflicts with the kvq_ao cache; "
-                "use None, 'dynamic' or 'static'"
-            )
-        generation_config.cache_implementation = None
-        # static: exactly prompt + max_new_tokens; dynamic: that much reserved up front (no growth copies)
-        model_kwargs["cache"] = make_cache(self, self.kvq_config, max_cache_len=max_cache_length if static else None,
-                                           reserve=None if static else max_cache_length)  # fmt: skip
-    return self._kvq_original_prepare_cache(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+    Nothing changes when the caller brings a cache or turns caching off (`use_cache=False`);
+    otherwise `cache_implementation` None/"dynamic" gives a dynamic `QuantizedKVCache` with room
+    reserved for the whole generation, "static" a static one of the length transformers would
+    give a `StaticCache` (prompt + max_new_tokens, or `max_cache_len` if larger). The kind is
+    never switched: `compile_config` compiles only with a static cache, as in transformers.
+    The cache is not marked as user-supplied, so generate returns it only when asked to."""
+    config = getattr(self, "kvq_config", None)
+    if config is None or model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+        return self._kvq_original_prepare_cache(generation_config, model_kwargs, generation_mode, batch_size,
+                                                max_cache_length)  # fmt: skip
+    kind = generation_config.cache_implementation
+    if kind not in (None, "dynamic", "static"):
+        raise ValueError(f"cache_implementation={kind!r} conflicts with the kvq_ao cache; use None, 'dynamic' or 'static'")
+    if kind == "static":
+        length = max(max_cache_length, generation_config.max_cache_len or 0)
+        cache = make_cache(self, config, max_cache_len=length)
+    else:
+        cache = make_cache(self, config, reserve=max_cache_length)
+    if generation_config.is_assistant:  # as transformers does: an assistant's cache gets cropped
+        cache.activate_past_recording()
+    model_kwargs["cache"] = cache
+
+
+def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+    """generate() hook: chunked prefill where it applies, only when it is kvq_ao's default.
+
+    The default chunk (PREFILL_CHUNK) applies to a dynamic cache fed token ids longer than a chunk;
+    generating from `inputs_embeds` (which transformers cannot chunk) or with a static cache (a
+    compiled prefill would compile a graph per chunk shape) prefills in one pass. A chunk size
+    the caller chose is left to transformers as given."""
+    chunk = generation_config.prefill_chunk_size
+    if chunk is not None and chunk == getattr(self, "_kvq_default_prefill_chunk", None):
+        cache = model_kwargs.get("cache")
+        new_tokens = input_ids.shape[1] - (cache.get_seq_length() if cache is not None else 0)
+        if (model_kwargs.get("inputs_embeds") is not None or new_tokens <= chunk or cache is None
+                or isinstance(cache, StaticCache)):  # fmt: skip
+            generation_config.prefill_chunk_size = None
+    return self._kvq_original_prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
 
 @register_quantize_module_handler(KVQuantConfig)

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, StaticCache
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.kernels import gpu as gpu_kernels
@@ -55,6 +55,20 @@ class TensorCalibration:
     codebook: torch.Tensor | None = None  # levels in [0, 1] for "nuq"
     lo: torch.Tensor | None = None  # [kv_heads, head_dim] outlier thresholds
     hi: torch.Tensor | None = None
+
+
+@dataclass
+class _Checkpoint:
+    """A layer's state before the first append since its last crop: the length, and the side store
+    with everything it held (later appends overwrite the ring's slots). The body needs no copy:
+    positions below the boundary at `length` are never rewritten, and blocks past it are rewritten
+    from full precision when they fall behind the window again."""
+
+    length: int
+    side_k: torch.Tensor
+    side_v: torch.Tensor
+    side_pos: torch.Tensor
+    clamped: tuple[int, int]
 
 
 def _codebook_for(spec: QuantSpec, calib: TensorCalibration | None) -> torch.Tensor:
@@ -205,6 +219,7 @@ class QuantizedLayer(CacheLayerMixin):
     """
 
     is_compileable = False
+    is_croppable = True  # crop() restores exactly what a layer without the dropped tokens would hold
     is_sliding = False
 
     def __init__(self, spec: LayerKV, sink_tokens: int = 0, residual_length: int = 0,
@@ -224,17 +239,23 @@ class QuantizedLayer(CacheLayerMixin):
         self.block = spec.token_block
         self.ring = residual_length + self.block  # see _append_one_static for why not "- 1"
         self.scale_dtype = getattr(torch, scale_dtype)
+        # A static layer holds at most `max_cache_len` tokens (what the caller asked for, and what
+        # get_max_length() reports); its storage is that rounded up to `static_capacity`.
+        self.static_capacity = None
         if max_cache_len is not None:
             if max_cache_len <= 0:
                 raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
             step = math.lcm(_STATIC_STEP, self.block)
-            max_cache_len = math.ceil(max_cache_len / step) * step
+            self.static_capacity = math.ceil(max_cache_len / step) * step
         self.max_cache_len = max_cache_len
         if reserve is not None and reserve < 0:
             raise ValueError(f"reserve must be >= 0 tokens, got {reserve}")
         self.reserve = reserve or 0
         self.cumulative_length: int | torch.Tensor = 0
         self.capacity = 0
+        self._record_past = False
+        self._checkpoint: _Checkpoint | None = None  # the layer before the first append since the last crop
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # what was appended since, as appended
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -243,7 +264,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.spec.key.check_head_dim(d)
         self.spec.value.check_head_dim(dv)
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.capacity = self.max_cache_len or 0
+        self.capacity = self.static_capacity or 0
         if self.rope_inv_freq.numel() not in (0, d // 2):
             raise ValueError(f"rotary inv_freq has {self.rope_inv_freq.numel()} entries, expected head_dim/2 = {d // 2}")
         self.rope_inv_freq = self.rope_inv_freq.to(self.device)
@@ -266,8 +287,8 @@ class QuantizedLayer(CacheLayerMixin):
         return torch.where(positions < self.sink, positions, ring_slot)
 
     def _capacity_for(self, length: int) -> int:
-        if self.max_cache_len is not None:
-            return self.max_cache_len
+        if self.static_capacity is not None:
+            return self.static_capacity
         if length <= self.capacity:
             return self.capacity
         step = math.lcm(_GROWTH_STEP, self.block)
@@ -293,6 +314,8 @@ class QuantizedLayer(CacheLayerMixin):
         if self.side_k.dtype != key_states.dtype:  # what a side store of its dtype would give back, on every path
             key_states = key_states.to(self.side_k.dtype).to(key_states.dtype)
             value_states = value_states.to(self.side_v.dtype).to(value_states.dtype)
+        if self._record_past:
+            self._record(key_states, value_states)
         if key_states.shape[2] == 1 and isinstance(self.cumulative_length, torch.Tensor):
             self._append_one_static(key_states, value_states)
             return self.keys_values()
@@ -345,7 +368,7 @@ class QuantizedLayer(CacheLayerMixin):
         step = math.lcm(_GROWTH_STEP, self.block)
         capacity = math.ceil(length / step) * step if exact else self._capacity_for(length)
         if capacity > self.capacity:
-            if self.max_cache_len is not None:
+            if self.static_capacity is not None:
                 raise ValueError(f"static KV cache overflow: {length} tokens requested but the cache was built with "
                                  f"max_cache_len={self.max_cache_len}")  # fmt: skip
             self.k_body.grow(capacity)
@@ -406,7 +429,7 @@ class QuantizedLayer(CacheLayerMixin):
         The ring holds residual + block positions, so the block's oldest token is still there
         after this token's write (with residual + block - 1 it would just have been evicted).
         """
-        if self.max_cache_len is not None and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self.max_cache_len is not None:  # (the requested length: no guard on it)
             if int(self.cumulative_length) >= self.max_cache_len:
                 raise ValueError(
                     f"static KV cache overflow: {int(self.cumulative_length) + 1} tokens requested but the cache "
@@ -420,8 +443,8 @@ class QuantizedLayer(CacheLayerMixin):
         length = pos + 1
         behind = length - self.residual
         complete = (behind > 0) & (torch.remainder(behind, self.block) == 0)
-        if self.max_cache_len is not None:
-            complete = complete & (behind <= self.max_cache_len)
+        if self.static_capacity is not None:
+            complete = complete & (behind <= self.static_capacity)
         start = torch.clamp(behind - self.block, min=0)
         block_pos = start + torch.arange(self.block, device=self.device)
         block_slots = self._slot(block_pos)
@@ -437,6 +460,128 @@ class QuantizedLayer(CacheLayerMixin):
         end = torch.div(torch.clamp(behind, min=0), self.block, rounding_mode="floor") * self.block
         self.body_end.copy_(end.reshape(()))
         self.cumulative_length.add_(1)
+
+    # ------------------------------------------------------------------ crop (assisted decoding)
+    @property
+    def record_past(self) -> bool:
+        """Whether appends are recorded so that `crop()` can take back any of them (transformers turns
+        it on for assisted decoding and off when it hands the cache back)."""
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, on: bool) -> None:
+        self._record_past = bool(on)
+        if not on:
+            self._forget_past()
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def _forget_past(self) -> None:
+        self._checkpoint, self._pending = None, []
+
+    def _record(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._checkpoint is None:
+            self._checkpoint = _Checkpoint(int(self.cumulative_length), self.side_k.clone(), self.side_v.clone(),
+                                           self.side_pos.clone(), self.clamped_by_kind)  # fmt: skip
+        self._pending.append((k, v))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens (transformers' convention: a count <= 0).
+
+        The layer is left exactly as if the dropped tokens had never been appended, so appending
+        them again gives bit-identical storage and attention. Positions the drop pulls back behind
+        the full-precision window come from the side store if it still holds them, else from what
+        was recorded since the last crop (`activate_past_recording()`; assisted decoding turns it
+        on): the state at that point is restored and the kept appends replayed (re-quantizing
+        their full-precision values, never already packed codes). A crop neither can serve raises.
+        Every crop ends a recording period: `crop(0)` keeps everything and forgets the record.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove (transformers' "
+                             "Cache.crop convention), e.g. crop(-3) drops the last 3")  # fmt: skip
+        drop = -int(tokens_to_remove)
+        if drop and self.is_initialized:
+            length = int(self.cumulative_length)
+            if drop > length:
+                raise ValueError(f"cannot crop {drop} tokens from a layer that holds {length}")
+            if not (self._restore_from_record(length - drop) or self._restore_from_side(length - drop)):
+                start = self._checkpoint.length if self._checkpoint is not None else None
+                raise ValueError(
+                    f"cannot crop the layer back to {length - drop} of its {length} tokens: positions "
+                    f"[{self._boundary(length - drop)}, {length - drop}) would return to full precision, but they are "
+                    "held only as packed codes"
+                    + (f" and the record since the last crop starts at {start} tokens" if start is not None else
+                       "; call cache.activate_past_recording() before appending tokens you may crop")
+                )  # fmt: skip
+        self._forget_past()
+
+    def _set_length(self, length: int) -> None:
+        if isinstance(self.cumulative_length, torch.Tensor):
+            self.cumulative_length.fill_(length)
+        else:
+            self.cumulative_length = length
+        self.body_end.fill_(self._boundary(length))
+
+    def _restore_from_record(self, target: int) -> bool:
+        """Back to the checkpoint, then replay the recorded appends up to `target` tokens."""
+        ckpt = self._checkpoint
+        if ckpt is None or target < ckpt.length:
+            return False
+        self.side_k.copy_(ckpt.side_k)
+        self.side_v.copy_(ckpt.side_v)
+        self.side_pos.copy_(ckpt.side_pos)
+        self.k_body.clamped, self.v_body.clamped = ckpt.clamped
+        self._set_length(ckpt.length)
+        replay = target - ckpt.length
+        if replay:
+            k = torch.cat([k for k, _ in self._pending], dim=2)[:, :, :replay]
+            v = torch.cat([v for _, v in self._pending], dim=2)[:, :, :replay]
+            self._append_eager(k, v)
+        return True
+
+    def _restore_from_side(self, target: int) -> bool:
+        """Without a record: possible when the side store still holds every position the layer at
+        `target` tokens reads in full precision, [boundary(target), target)."""
+        needed = torch.arange(max(self._boundary(target), self.sink), target, device=self.device)
+        if not bool((self.side_pos.index_select(0, self._slot(needed)) == needed).all()):
+            return False
+        self.side_pos.masked_fill_(self.side_pos >= target, -1)
+        self._set_length(target)
+        return True
+
+    # ------------------------------------------------------------------ float view (transformers' keys/values)
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The cached keys as a float [batch, kv_heads, tokens, head_dim] tensor (post-RoPE), computed
+        on access from the quantized storage: what attention reads, not a copy the cache keeps.
+        A static layer gives all `max_cache_len` positions (zeros past its length), like StaticLayer."""
+        return self._dense(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The cached values as a float tensor, computed on access (see `keys`)."""
+        return self._dense(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_assignment("values", value)
+
+    @staticmethod
+    def _refuse_assignment(name: str, value) -> None:
+        if value is not None:  # CacheLayerMixin.__init__ assigns None
+            raise AttributeError(f"a quantized layer's {name} are computed from its packed storage and cannot be "
+                                 "assigned: append through update()")  # fmt: skip
+
+    def _dense(self, which: int) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        length = self.max_cache_len if self.max_cache_len is not None else int(self.cumulative_length)
+        return self.keys_values()[which].dequantize()[:, :, :length]
 
     # ------------------------------------------------------------------ views
     def keys_values(self, side=None) -> tuple[QuantizedKV, QuantizedKV]:
@@ -464,8 +609,8 @@ class QuantizedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ transformers contract
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.max_cache_len is not None:
-            return self.max_cache_len, 0
+        if self.static_capacity is not None:
+            return self.static_capacity, 0
         return self._capacity_for(int(self.cumulative_length) + query_length), 0
 
     def get_seq_length(self) -> int:
@@ -475,6 +620,7 @@ class QuantizedLayer(CacheLayerMixin):
         return self.max_cache_len if self.max_cache_len is not None else -1
 
     def reset(self) -> None:
+        self._forget_past()
         if not self.is_initialized:
             return
         self.k_body.clear()
@@ -499,6 +645,7 @@ class QuantizedLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i of the batch becomes row beam_idx[i] (in place, so a static
         layer's buffers keep their addresses)."""
+        self._forget_past()  # a record of the old batch rows cannot restore the new ones
         if not self.is_initialized:
             return
         for owner, name in self._batch_tensors():
@@ -506,11 +653,13 @@ class QuantizedLayer(CacheLayerMixin):
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._forget_past()
         if self.is_initialized:
             for owner, name in self._batch_tensors():
                 setattr(owner, name, getattr(owner, name).repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._forget_past()
         if self.is_initialized:
             for owner, name in self._batch_tensors():
                 setattr(owner, name, getattr(owner, name)[indices, ...])
@@ -546,8 +695,17 @@ class QuantizedKVCache(Cache):
     """A transformers `Cache` whose layers store K/V as `config` says, one spec per layer.
 
     Pass `max_cache_len` for the static (preallocated, compileable) variant; a dynamic cache
-    reserves room for `reserve` tokens up front and grows geometrically past it.
+    reserves room for `reserve` tokens up front and grows geometrically past it. The object built
+    is a `QuantizedStaticCache` (also a transformers `StaticCache`) or a `QuantizedDynamicCache`
+    (also a `DynamicCache`), so code that checks a cache's kind with isinstance sees the kind it
+    asked for; both stay `QuantizedKVCache`s.
     """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is QuantizedKVCache:  # the public constructor picks the kind; subclasses keep their own
+            max_cache_len = kwargs.get("max_cache_len", args[2] if len(args) > 2 else None)
+            cls = QuantizedDynamicCache if max_cache_len is None else QuantizedStaticCache
+        return super().__new__(cls)
 
     def __init__(self, config: KVQuantConfig, num_layers: int, max_cache_len: int | None = None,
                  calibration=None, rope: tuple[torch.Tensor, float] | None = None, reserve: int | None = None):  # fmt: skip
@@ -570,7 +728,7 @@ class QuantizedKVCache(Cache):
         else:
             layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, calibration=layer_calib(i), **common)
                       for i, s in enumerate(specs)]  # fmt: skip
-        super().__init__(layers=layers)
+        Cache.__init__(self, layers=layers)  # not the Static/DynamicCache constructors: they build float layers
         self.config = config
 
     def _dynamic_layer(self, spec: LayerKV, **kwargs) -> QuantizedLayer:
@@ -600,4 +758,14 @@ class QuantizedKVCache(Cache):
         return memory_report(self)
 
 
-__all__ = ["QuantizedKVCache", "QuantizedLayer", "QuantizedStaticLayer", "TensorCalibration"]
+class QuantizedDynamicCache(QuantizedKVCache, DynamicCache):
+    """A dynamic `QuantizedKVCache` (what `QuantizedKVCache(config, n)` builds): grows as tokens arrive."""
+
+
+class QuantizedStaticCache(QuantizedKVCache, StaticCache):
+    """A static `QuantizedKVCache` (what `QuantizedKVCache(config, n, max_cache_len=...)` builds):
+    preallocated, compileable and exportable."""
+
+
+__all__ = ["QuantizedDynamicCache", "QuantizedKVCache", "QuantizedLayer", "QuantizedStaticCache", "QuantizedStaticLayer",
+           "TensorCalibration"]  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 
 import kvq_ao.api as api
 import kvq_ao.masks as masks
-from conftest import tiny_gemma
+from conftest import tiny_gemma, tiny_llama
 from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
 from kvq_ao.cache import QuantizedLayer, _BodyStore
 
@@ -76,10 +76,20 @@ def test_generate_prefills_a_long_prompt_in_chunks_with_bounds_masks(tiny_model,
         chunked = tiny_model.generate(ids, prefill_chunk_size=32, **kw)
         assert calls == [(32, torch.int64)] * 6 + [(4, torch.int64)] * 2  # 32 + 32 + 32 + 4, 2 layers
         calls.clear()
-        monkeypatch.setattr(api, "PREFILL_CHUNK", 48)  # the default applies when the caller sets none
-        by_default = tiny_model.generate(ids, **kw)
+        monkeypatch.setattr(api, "PREFILL_CHUNK", 48)  # the default applies when the caller sets none...
+        model = tiny_llama()  # (the fixture's weights)
+        quantize_kv_(model, dataclasses.replace(KVQuantConfig.preset("kivi-4"), residual_length=256))
+        assert model.generation_config.prefill_chunk_size == 48
+        by_default = model.generate(ids, **kw)
         assert [n for n, _ in calls] == [48] * 4 + [4] * 2
+        calls.clear()
+        switched_off = model.generate(ids, prefill_chunk_size=None, **kw)  # ...and None switches it off
+        assert calls == [(100, torch.int64)] * 2
+        calls.clear()
+        from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), **kw)  # transformers cannot chunk these
+        assert [n for n, _ in calls] == [100] * 2
     assert torch.equal(chunked.sequences, whole.sequences) and torch.equal(by_default.sequences, whole.sequences)
+    assert torch.equal(switched_off.sequences, whole.sequences) and torch.equal(from_embeds.sequences, whole.sequences[:, 100:])
     for a, b in zip(chunked.logits, whole.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

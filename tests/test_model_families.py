@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_gemma
-from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+from kvq_ao import KVQuantConfig, QuantizedKVCache, make_cache, quantize_kv_
 from kvq_ao.api import compile_config
 
 
@@ -31,7 +31,7 @@ def test_greedy_generation_equals_the_fp_cache(version, preset):
     fp = _generate(model, ids, cache=DynamicCache(config=model.config))
     quantize_kv_(model, KVQuantConfig.preset(preset))
     out = _generate(model, ids, return_dict_in_generate=True)
-    assert type(out.cache).__name__ == "QuantizedKVCache"
+    assert isinstance(out.cache, QuantizedKVCache) and isinstance(out.cache, DynamicCache)
     assert torch.equal(out.sequences, fp)
     if preset == "int8":  # no fp window: every cached token was read back from 8-bit codes
         assert all(int(layer.body_end) >= ids.shape[1] for layer in out.cache.layers)

@@ -149,3 +149,31 @@ def test_beam_search_with_kivi4(smollm2, num_beams):
     print(f"beam search, {num_beams} beams, {long.shape[1]}-token prompt: best beam equals fp's for {prefix} tokens; "
           f"fp {tokenizer.decode(fp[0], skip_special_tokens=True)!r} / kivi-4 {tokenizer.decode(quantized[0], skip_special_tokens=True)!r}")
     assert prefix >= 8  # seen: 12-14 of 24 (the beams then take another wording of the same answer)
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "self-draft"])
+def test_assisted_decoding_gives_plain_greedy_tokens_with_kivi4(smollm2, mode, monkeypatch):
+    """Issue 44 item 2 on the real model: drafts (copied from the prompt, or the model's own through
+    its own quantized cache) are verified in chunks and the rejected ones cropped, across block
+    boundaries of a ~330-token prompt's packed body; the tokens must be plain greedy's."""
+    from pydoc_data.topics import topics
+
+    from kvq_ao import quantize_kv_
+    from kvq_ao.cache import QuantizedLayer
+    from kvq_ao.eval import chat_ids
+
+    model, tokenizer = smollm2
+    quantize_kv_(model, KVQuantConfig.preset("kivi-4"))
+    ids = torch.tensor([chat_ids(tokenizer, topics["assert"].strip() + "\n\nCopy the first two sentences above.")])
+    assert ids.shape[1] > 128 + 2 * 32
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, min_new_tokens=48, do_sample=False)
+    with torch.no_grad():
+        plain = model.generate(ids, **kw)
+        dropped = []
+        real = QuantizedLayer.crop
+        monkeypatch.setattr(QuantizedLayer, "crop", lambda self, n: dropped.append(-n) or real(self, n))
+        extra = dict(prompt_lookup_num_tokens=10) if mode == "prompt-lookup" else dict(assistant_model=model)
+        assisted = model.generate(ids, **kw, **extra)
+    print(f"{mode}: {tokenizer.decode(assisted[0, ids.shape[1]:])!r}, crops dropped {sum(dropped)} tokens")
+    assert torch.equal(assisted, plain)
+    assert any(dropped)  # rejected drafts were cropped

@@ -79,6 +79,10 @@ class SegmentedBody:
     def clamped(self) -> int:
         return self.store.clamped
 
+    @clamped.setter
+    def clamped(self, count: int) -> None:  # a crop restores the count with the rest
+        self.store.clamped = count
+
     def op_format(self) -> tuple[int, int, int]:
         return self.store.op_format()
 
@@ -137,6 +141,10 @@ class ContextParallelLayer(QuantizedLayer):
 
         side_k, side_v, side_pos, body_end = side or (self.side_k, self.side_v, self.side_pos, self.body_end)
         return ShardedKV(self, side_k, side_pos, body_end), ShardedKV(self, side_v, side_pos, body_end)
+
+    def _dense(self, which: int):
+        raise NotImplementedError("a context-parallel layer's keys/values live on several ranks: no float view of "
+                                  "them exists on one (attention merges the ranks' partial results instead)")  # fmt: skip
 
     def _batch_tensors(self):
         owners = [(body.store, name) for body in (self.k_body, self.v_body) for name in ("codes", "scale", "zero", "out_val", "out_idx")]
