@@ -491,8 +491,8 @@ class QuantizedLayer(CacheLayerMixin):
 
         The layer is left exactly as if the dropped tokens had never been appended, so appending
         them again gives bit-identical storage and attention. Positions the drop pulls back behind
-        the full-precision window come from the side store if it still holds them, else from what
-        was recorded since the last crop (`activate_past_recording()`; assisted decoding turns it
+        the full-precision window come from the side store if it still holds them (no work but
+        moving the length), else from what was recorded since the last crop (`activate_past_recording()`; assisted decoding turns it
         on): the state at that point is restored and the kept appends replayed (re-quantizing
         their full-precision values, never already packed codes). A crop neither can serve raises.
         Every crop ends a recording period: `crop(0)` keeps everything and forgets the record.
@@ -505,7 +505,7 @@ class QuantizedLayer(CacheLayerMixin):
             length = int(self.cumulative_length)
             if drop > length:
                 raise ValueError(f"cannot crop {drop} tokens from a layer that holds {length}")
-            if not (self._restore_from_record(length - drop) or self._restore_from_side(length - drop)):
+            if not (self._restore_from_side(length - drop) or self._restore_from_record(length - drop)):
                 start = self._checkpoint.length if self._checkpoint is not None else None
                 raise ValueError(
                     f"cannot crop the layer back to {length - drop} of its {length} tokens: positions "
@@ -543,7 +543,7 @@ class QuantizedLayer(CacheLayerMixin):
     def _restore_from_side(self, target: int) -> bool:
         """Without a record: possible when the side store still holds every position the layer at
         `target` tokens reads in full precision, [boundary(target), target)."""
-        needed = torch.arange(max(self._boundary(target), self.sink), target, device=self.device)
+        needed = torch.arange(min(max(self._boundary(target), self.sink), target), target, device=self.device)
         if not bool((self.side_pos.index_select(0, self._slot(needed)) == needed).all()):
             return False
         self.side_pos.masked_fill_(self.side_pos >= target, -1)
