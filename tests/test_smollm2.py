@@ -155,7 +155,8 @@ def test_beam_search_with_kivi4(smollm2, num_beams):
 def test_assisted_decoding_gives_plain_greedy_tokens_with_kivi4(smollm2, mode, monkeypatch):
     """Issue 44 item 2 on the real model: drafts (copied from the prompt, or the model's own through
     its own quantized cache) are verified in chunks and the rejected ones cropped, across block
-    boundaries of a ~330-token prompt's packed body; the tokens must be plain greedy's."""
+    boundaries of a ~330-token prompt's packed body; the tokens must be plain greedy's.
+    (benchmarks/assisted_decoding.py measures acceptance and speed over longer runs.)"""
     from pydoc_data.topics import topics
 
     from kvq_ao import quantize_kv_
@@ -164,7 +165,8 @@ def test_assisted_decoding_gives_plain_greedy_tokens_with_kivi4(smollm2, mode, m
 
     model, tokenizer = smollm2
     quantize_kv_(model, KVQuantConfig.preset("kivi-4"))
-    ids = torch.tensor([chat_ids(tokenizer, topics["assert"].strip() + "\n\nCopy the first two sentences above.")])
+    task = "Copy the first two sentences above." if mode == "prompt-lookup" else "What are assert statements for?"
+    ids = torch.tensor([chat_ids(tokenizer, topics["assert"].strip() + "\n\n" + task)])
     assert ids.shape[1] > 128 + 2 * 32
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, min_new_tokens=48, do_sample=False)
     with torch.no_grad():
@@ -176,4 +178,5 @@ def test_assisted_decoding_gives_plain_greedy_tokens_with_kivi4(smollm2, mode, m
         assisted = model.generate(ids, **kw, **extra)
     print(f"{mode}: {tokenizer.decode(assisted[0, ids.shape[1]:])!r}, crops dropped {sum(dropped)} tokens")
     assert torch.equal(assisted, plain)
-    assert any(dropped)  # rejected drafts were cropped
+    if mode == "prompt-lookup":  # (a self-draft is the model: it drafts what the model picks, bar near-ties)
+        assert any(dropped)  # rejected drafts were cropped
