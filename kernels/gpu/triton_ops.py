@@ -116,20 +116,20 @@ def triton_decode_attention(
     operands, common = _common(dict(named, q=q))
     shape = common["shape"]
     np_ = triton.next_power_of_2(shape["N"])
-    mask_u8 = mask.contiguous().view(torch.uint8)
+    mask_arg = mask.contiguous()  # bool: the kernels load it as int1 (a dtype view of a bool tensor fails CUDA lowering)
     splits = _splits(q, b * hkv, t)
     part_m = q.new_empty((b * hkv, splits, np_), dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = q.new_empty((b * hkv, splits, np_, shape["BDV"]), dtype=torch.float32)
     out = q.new_empty((b, hq, 1, dv))
     _launcher(triton_attention, "_decode_split", q)[(b * hkv, splits)](
-        q, *operands, mask_u8, common["inv_freq"], body_end, part_m, part_l, part_acc,
+        q, *operands, mask_arg, common["inv_freq"], body_end, part_m, part_l, part_acc,
         body_start, t, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_, MASK_HEADS=mask.shape[1], **shape,
         BLOCK_T=BLOCK_T,
     )  # fmt: skip
     merge_shape = {k: v for k, v in shape.items() if not k.startswith(("K_", "V_"))}
     _launcher(triton_attention, "_decode_merge", q)[(b * hkv,)](
-        q, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_u8, common["inv_freq"], body_end,
+        q, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_arg, common["inv_freq"], body_end,
         part_m, part_l, part_acc, out, body_start, t, s, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_,
         MASK_HEADS=mask.shape[1], **merge_shape, BLOCK_S=BLOCK_S,
     )  # fmt: skip
@@ -158,7 +158,7 @@ def triton_chunk_attention(
     q = q.contiguous()
     operands, common = _common(dict(named, q=q))
     bounds = mask.dtype == torch.int64
-    mask_arg = mask.contiguous() if bounds else mask.contiguous().view(torch.uint8)
+    mask_arg = mask.contiguous()  # int64 bounds or bool (loaded as int1; no dtype view, which CUDA lowering refuses)
     rows = triton.next_power_of_2(common["shape"]["N"] * CHUNK_BLOCK_Q)
     out = q.new_empty((b, hq, tq, dv))
     _launcher(triton_attention, "_chunk_attention", q)[(b * hkv, triton.cdiv(tq, CHUNK_BLOCK_Q))](
@@ -208,11 +208,13 @@ def triton_quantize(
     vector = n_outliers > 0 and lo.numel() == 0
     mids = (codebook[1:] + codebook[:-1]).float() * 0.5 if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
     thresholds = (lo.float().contiguous(), hi.float().contiguous()) if n_outliers and not vector else (x, x)
+    # FIXED is passed though it has a default: torch's analysis of which arguments a launch writes
+    # needs every argument, and without it assumes all are written (copies of every input).
     _launcher(triton_quantize_kernels, "_quantize", x)[(programs,)](
         x, *thresholds, mids, codes, scale, zero, out_val, out_idx, partial,
         rows, t, h, 1.0 if codebook.numel() else float(2**bits - 1), finfo.max, finfo.eps, finfo.smallest_normal * finfo.eps,
         D=d, BITS=bits, AXIS=axis, GROUP=group, CODEBOOK=codebook.numel() > 0, K=n_outliers, VECTOR_OUTLIERS=vector,
-        SCALE=_SCALE_CODES[scale_dtype], ROWS=tile,
+        SCALE=_SCALE_CODES[scale_dtype], ROWS=tile, FIXED=False,
     )  # fmt: skip
     return codes, scale, zero, out_val, out_idx, partial.sum()
 

@@ -23,7 +23,9 @@ import triton.language as tl
 
 from kvq_ao.kernels.gpu.triton_attention import _max, _min, _sum
 
-ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds a float32 0 <= x < 2**22 half to even
+# 1.5 * 2**23: (x + M) - M rounds a float32 0 <= x < 2**22 half to even. A constexpr: compiled Triton
+# refuses plain module globals inside @jit (its interpreter does not, which is how this once shipped).
+ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

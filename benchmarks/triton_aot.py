@@ -1,0 +1,58 @@
+"""Registers and spills of the Triton kernels the presets use, compiled ahead of time for real GPUs.
+
+No GPU needed: the launches generate() makes with each preset are recorded on a one-layer random
+model of SmolLM2's attention shape (bfloat16, Triton's interpreter on CPU tensors), then compiled by
+triton's own compiler for each --capabilities target and assembled by its bundled ptxas, whose
+report gives registers, spill bytes, stack and shared memory per kernel (`kvq_ao.kernels.gpu.aot`).
+tests/kernels/test_triton_aot.py compiles these and the format matrix on every CI run; this
+writes the table: results/triton_aot/presets.json.
+
+    python benchmarks/triton_aot.py --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from common import save_json, stamp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="int8,kivi-4,kivi-2,kvquant-4-1pct,kvquant-3-1pct,kvquant-2-1pct")
+    parser.add_argument("--capabilities", default="80,90", help="compute capabilities (80: A100, 90: H100/H200)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--out", default="results/triton_aot/presets.json")
+    args = parser.parse_args()
+
+    import triton
+
+    from kvq_ao.kernels import gpu
+    from kvq_ao.kernels.gpu.aot import KernelReport, compile_all, preset_launches, unique
+
+    if not gpu.load():
+        raise SystemExit("triton is not installed: pip install 'kvq_ao[gpu]'")
+    presets = [p for p in args.presets.split(",") if p]
+    capabilities = [int(c) for c in args.capabilities.split(",")]
+    rows = []
+    for preset in presets:
+        launches = unique(preset_launches([preset], getattr(torch, args.dtype)))
+        for launch, capability, result in compile_all(launches, capabilities):
+            if not isinstance(result, KernelReport):
+                raise SystemExit(f"{preset}: {launch.label()} does not compile for sm_{capability}: {result}")
+            rows.append(dict(preset=preset, kernel=launch.kernel, sm=capability, specialization=launch.label(),
+                             **dataclasses.asdict(result)))  # fmt: skip
+    print("| preset | kernel | sm | registers | spill stores / loads (bytes) | stack | shared |\n|---|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['preset']} | {r['kernel']} | {r['sm']} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} "
+              f"| {r['stack']} | {r['shared']} |")  # fmt: skip
+    path = save_json(args.out, dict(**stamp(triton=triton.__version__, dtype=args.dtype, shape="SmolLM2: 9 q / 3 kv heads, D 64"),
+                                    rows=rows))  # fmt: skip
+    print(f"rows: {path}")
+
+
+if __name__ == "__main__":
+    main()
