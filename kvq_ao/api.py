@@ -20,6 +20,7 @@ import types
 
 import torch
 from transformers.cache_utils import StaticCache
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -194,6 +195,13 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     if kind not in (None, "dynamic", "static"):
         raise ValueError(f"cache_implementation={kind!r} conflicts with the kvq_ao cache; use None, 'dynamic' or 'static'")
     if kind == "static":
+        if generation_config.compile_config is not None and generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(
+                "compiled assisted decoding (assistant_model= or prompt_lookup_num_tokens= with a static cache and "
+                "compile_config) is not supported with a quantized cache: the compiled step appends one token, and "
+                "verifying a draft appends several. Drop compile_config (assisted decoding runs eagerly on the static "
+                "or dynamic quantized cache) or the draft"
+            )  # fmt: skip
         length = max(max_cache_length, generation_config.max_cache_len or 0)
         cache = make_cache(self, config, max_cache_len=length)
     else:

@@ -250,3 +250,12 @@ def test_compile_config_alone_keeps_the_dynamic_cache():
 def test_the_model_itself_as_its_draft_on_a_lossy_preset(crops):
     model, *_ = setting("gemma3-kivi-4")
     assert torch.equal(generate(model, "assisted", draft=model), generate(model, "greedy"))
+
+
+def test_compiled_assisted_decoding_is_refused_clearly():
+    """A compiled step appends one token; verifying a draft appends several (not compiled here)."""
+    model, *_ = setting("llama-kivi-4")
+    ids = _prompt()
+    with pytest.raises(ValueError, match="compiled assisted decoding .* is not supported"), torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=4,
+                       cache_implementation="static", compile_config=compile_config())  # fmt: skip
