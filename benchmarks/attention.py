@@ -19,7 +19,7 @@ the slow reference is called once per round in turn, so all see the same phases 
 machine), the bytes a kernel must read (the filled rows of codes, scales and outliers, the
 full-precision side store, the mask; not the spare capacity the cache holds beyond them), and the
 time those bytes take at the memory bandwidth measured in the same run (a large `copy_`), i.e. the floor a
-bandwidth-bound kernel would reach. Rows in results/attention.json.
+bandwidth-bound kernel would reach. Rows in results/attention/attention.json.
 
     python benchmarks/attention.py --lengths 4096,32768,131072,524288 --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct --profile
 """
@@ -107,14 +107,18 @@ def bytes_read(op: dict) -> int:
     """Bytes of the op's cache tensors a decode step reads: the body up to `body_end` (the layer's
     spare capacity beyond it is held but never read), the whole side store, outliers and scales of
     the filled rows."""
-    capacity, filled = op["k_codes"].shape[2], int(op["body_end"])
+    from kvq_ao.ops import named_arguments
+
+    named = named_arguments((), op)
+    capacity, filled = named["k"].codes.shape[2], int(op["body_end"])
+    tensors = {"mask": op["mask"], "side_pos": op["side_pos"]}
+    for prefix in ("k", "v"):
+        tensors.update({f"{prefix}_{n}": t for n, t in named[prefix].fields().items() if isinstance(t, torch.Tensor)})
     total = 0
-    for name, t in op.items():
-        if not isinstance(t, torch.Tensor) or name in ("q", "body_end", "rope_inv_freq"):
-            continue
+    for name, t in tensors.items():
         size = t.numel() * t.element_size()
         rows = t.shape[-1] if name == "mask" else t.shape[2] if t.dim() == 4 else None
-        if name.startswith("side_") or rows is None:  # read whole (codebooks have no rows)
+        if name.startswith("side_") or name.endswith("_side") or rows is None:  # read whole (codebooks have no rows)
             total += size
         elif rows == capacity:  # one row per position
             total += size * filled // capacity
@@ -124,9 +128,24 @@ def bytes_read(op: dict) -> int:
     return total
 
 
+def _without(op: dict, **fields) -> dict:
+    """The op's arguments with operand fields of both K and V replaced."""
+    from kvq_ao.ops import attention_arguments, named_arguments
+
+    named = named_arguments((), op)
+    rest = {n: v for n, v in named.items() if n not in ("q", "k", "v")}
+    return attention_arguments(named["q"], named["k"].replace(**fields), named["v"].replace(**fields), **rest)
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Whether two argument dicts hold the same objects (an ablation that removed nothing)."""
+    same = lambda x, y: x is y or (isinstance(x, list) and len(x) == len(y) and all(p is q for p, q in zip(x, y)))  # noqa: E731
+    return a.keys() == b.keys() and all(same(a[n], b[n]) for n in a)
+
+
 ABLATIONS = {  # what the profile takes away: the op's arguments without one feature
-    "no-codebook": lambda a: {**a, "k_codebook": None, "v_codebook": None},
-    "no-outliers": lambda a: {**a, "k_out_val": None, "k_out_idx": None, "v_out_val": None, "v_out_idx": None},
+    "no-codebook": lambda a: _without(a, codebook=None),
+    "no-outliers": lambda a: _without(a, out_val=None, out_idx=None),
     "post-rope": lambda a: {**a, "rope_inv_freq": None},
 }
 
@@ -140,7 +159,7 @@ def main() -> None:
     parser.add_argument("--reference-max", type=int, default=131072, help="longest context the slow reference kernel is timed at")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/attention.json")
+    parser.add_argument("--out", default="results/attention/attention.json")
     args = parser.parse_args()
     model, _ = smollm2(args.threads)
     gbs = bandwidth_gbs()
@@ -149,7 +168,7 @@ def main() -> None:
     rows = []
     q = torch.randn(1, HQ, 1, D, generator=torch.Generator().manual_seed(1))
     from kvq_ao.kernels import cpu, reference
-    from kvq_ao.ops import reference_arguments
+    from kvq_ao.ops import named_arguments, reference_arguments
 
     if not cpu.load():
         raise SystemExit("the native CPU kernels did not build (see the warning): nothing to measure")
@@ -180,13 +199,13 @@ def main() -> None:
             if args.profile:
                 for name, strip in ABLATIONS.items():
                     stripped = strip(op)
-                    if stripped != op:
+                    if not _same(stripped, op):
                         timed[(preset, f"native {name}")] = (lambda a=stripped: torch.ops.kvq.decode_attention(**a), held)
             if "compiled" in variants:  # one compiled function per preset (dynamo's recompile limit is per function)
                 compiled = torch.compile(lambda **a: torch.ops.kvq.decode_attention(**a), fullgraph=True, dynamic=False)
                 timed[(preset, "compiled")] = (lambda op=op, f=compiled: f(**op), held)
             if "reference" in variants and n <= args.reference_max:
-                references.append((preset, reference_arguments(op), held))
+                references.append((preset, reference_arguments(named_arguments((), op)), held))
         with torch.no_grad():
             medians = interleaved_ms({key: fn for key, (fn, _) in timed.items()}, args.repeats)
             for (fmt, variant), (_, nbytes) in timed.items():

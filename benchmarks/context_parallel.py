@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--fill-len", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--out", default="results/context_parallel.json")
+    p.add_argument("--out", default="results/context_parallel/context_parallel.json")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rows = []

@@ -17,7 +17,7 @@ same chunked prefill as the others, run before export) and timed from position n
 attention covers the whole capacity at every position, so the work is the same).
 
     python benchmarks/decode_step.py --lengths 512,8192,32768 --preset kivi-4 --skip quanto-4,compiled-fp,onnx \
-        --export-lengths 512,8192,32768 --out results/decode_step_executorch.json
+        --export-lengths 512,8192,32768 --out results/decode_step/decode_step_executorch.json
 
 Memory, two figures: the bytes of the KV tensors each variant holds at that length, and the
 process's peak resident memory during the timed decode steps (Linux VmHWM, reset after warm-up
@@ -211,7 +211,7 @@ def main() -> None:
                         help="export executorch-portable without the n-token prefix and time it from position 0: its "
                              "decomposed attention runs over the whole capacity at every position, so the work is the "
                              "same, and the slow prefill before export is skipped")
-    parser.add_argument("--out", default="results/decode_step.json")
+    parser.add_argument("--out", default="results/decode_step/decode_step.json")
     parser.add_argument("--work-dir", default="/tmp/kvq-bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: measure one variant in this process
     parser.add_argument("--prepare", help=argparse.SUPPRESS)  # internal: export one runtime's artifact

@@ -9,7 +9,7 @@ of each variant in turn, `--rounds` times, so all see the same phases. Variants:
 (transformers' DynamicCache), `eager-kvq` (the dynamic quantized cache) and `compiled-kvq` (a
 static quantized cache of capacity n + warm-up + rounds, the step under torch.compile with
 fullgraph; compilation happens in the warm-up steps). Each variant's median ms per step; rows in
-results/decode_step_interleaved.json.
+results/decode_step_interleaved/decode_step_interleaved.json.
 
     python benchmarks/decode_step_interleaved.py --lengths 2048,8192 --preset kivi-4
 """
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--out", default="results/decode_step_interleaved.json")
+    parser.add_argument("--out", default="results/decode_step_interleaved/decode_step_interleaved.json")
     args = parser.parse_args()
     print(f"{machine()}, {args.threads} threads", flush=True)
     names = [v for v in args.variants.split(",") if v]

@@ -2,7 +2,7 @@
 
 For each (preset, runtime): export, greedy-generate 32 tokens after a 32-token chat prompt, and
 compare every step's logits with the eager quantized decode step. Prints a table and writes
-results/export_smollm2.json.
+results/export_smollm2/export_smollm2.json.
 
 `--noise-floor` adds a row per preset that exports nothing: the same eager step run a second time
 with every linear layer computed in float64 and rounded to float32 (a GEMM that sums in another
@@ -139,7 +139,7 @@ def main() -> None:
                 code_tensors(other_step), code_tensors(step))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path("results/export_smollm2.json")
+    out = Path("results/export_smollm2/export_smollm2.json")
     previous = json.loads(out.read_text()) if out.exists() else []
     keep = [r for r in previous if (r["preset"], r["runtime"]) not in {(x["preset"], x["runtime"]) for x in rows}]
     for row in rows:

@@ -48,15 +48,17 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 # ---------------------------------------------------------------------------------------- operands
-def _operand(x: torch.Tensor, prefix: str, spec, scale_dtype: torch.dtype, dtype: torch.dtype) -> dict:
-    """One of K ("k") or V ("v") of x [B, H, T, D] (float32) in a QuantSpec's format, as the attention
-    ops' named arguments."""
+def _operand(x: torch.Tensor, side: torch.Tensor, spec, scale_dtype: torch.dtype, dtype: torch.dtype):
+    """K or V of x [B, H, T, D] (float32) in a QuantSpec's format with side entries `side`, as an
+    attention operand (`kvq_ao.format.Operand`)."""
+    from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, Operand, encode, format_ints
     from kvq_ao.quant.codebook import nf_codebook
-    from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, fixed_range
+    from kvq_ao.quant.uniform import fixed_range
 
     axis = AXIS_CHANNEL if spec.axis == "channel" else AXIS_TOKEN
-    fields = dict(bits=spec.bits or 0, axis=axis, group=spec.group_size, codes=x.to(dtype), scale=None, zero=None,
-                  codebook=None, out_val=None, out_idx=None)  # fmt: skip
+    bits, _, group = encode(spec.bits, axis, spec.group_size, calibrated_rows=spec.calibrated_ranges)
+    fields = dict(bits=bits, axis=axis, group=group, codes=x.to(dtype), scale=None, zero=None,
+                  codebook=None, out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
     if spec.bits:
         codebook = nf_codebook(spec.bits).to(x.device) if spec.dtype != "int" else None
         slots = spec.outlier_slots(x.shape[-1])
@@ -64,18 +66,18 @@ def _operand(x: torch.Tensor, prefix: str, spec, scale_dtype: torch.dtype, dtype
         if (slots and axis == AXIS_CHANNEL) or spec.calibrated_ranges:  # per-channel ranges at the quantiles of the preset's fraction
             lo, hi = _channel_ranges(x, max(spec.outliers, 0.01))
         levels_cb = codebook if codebook is not None else x.new_zeros(0)
-        if spec.calibrated_ranges:  # fixed ranges: codes against one scale/zero row (group ONE_ROW)
+        if spec.calibrated_ranges:  # fixed ranges: codes against one scale/zero row for every position
             zero, scale = fixed_range(lo, hi, 1 if codebook is not None else 2**spec.bits - 1, scale_dtype)
             codes, out_val, out_idx, _ = torch.ops.kvq.quantize_fixed(x, spec.bits, zero, scale, levels_cb, lo, hi, slots)
             rows = lambda t: t[None, :, None, :].expand(x.shape[0], -1, 1, -1).contiguous()  # noqa: E731
-            scale, zero, fields["group"] = rows(scale), rows(zero), ONE_ROW
+            scale, zero = rows(scale), rows(zero)
         else:
             codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
-                x, spec.bits, axis, spec.group_size, scale_dtype, levels_cb, lo, hi, slots)  # fmt: skip
+                x, format_ints(spec.bits, axis, spec.group_size), scale_dtype, levels_cb, lo, hi, slots)  # fmt: skip
         fields.update(codes=codes, scale=scale, zero=zero, codebook=codebook)
         if slots:
             fields.update(out_val=out_val.to(dtype), out_idx=out_idx)
-    return {f"{prefix}_{name}": value for name, value in fields.items()}
+    return Operand(**fields)
 
 
 def _channel_ranges(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,16 +100,14 @@ def layer_arguments(preset: str, batch: int, length: int, capacity: int, device,
     v = torch.randn(batch, HKV, capacity, D, generator=g).to(device)
     scale_dtype = getattr(torch, cfg.scale_dtype)
     named = {"q": torch.randn(batch, HQ, 1, D, generator=g).to(device, dtype)}
-    named.update(_operand(k, "k", spec.key, scale_dtype, dtype))
-    named.update(_operand(v, "v", spec.value, scale_dtype, dtype))
     # the body holds whole key groups behind the window; the side store the sink and the rest
     window = max(cfg.residual_length, 1)
     body_end = max(cfg.sink_tokens, (length - window) // key_group * key_group)
     side_pos = list(range(cfg.sink_tokens)) + list(range(body_end, length))
     n_side = len(side_pos)
+    named["k"] = _operand(k, torch.randn(batch, HKV, n_side, D, generator=g).to(device), spec.key, scale_dtype, dtype)
+    named["v"] = _operand(v, torch.randn(batch, HKV, n_side, D, generator=g).to(device), spec.value, scale_dtype, dtype)
     named.update(
-        side_k=torch.randn(batch, HKV, n_side, D, generator=g).to(device, dtype),
-        side_v=torch.randn(batch, HKV, n_side, D, generator=g).to(device, dtype),
         side_pos=torch.tensor(side_pos, dtype=torch.int64, device=device),
         body_end=torch.tensor(body_end, dtype=torch.int64, device=device),
         mask=(torch.arange(capacity, device=device) < length).expand(batch, 1, 1, capacity).contiguous(),
@@ -117,14 +117,22 @@ def layer_arguments(preset: str, batch: int, length: int, capacity: int, device,
     return named
 
 
+def op_args(named: dict) -> dict:
+    """A layer's arguments (K and V as operands) as the attention ops take them."""
+    from kvq_ao.ops import attention_arguments
+
+    rest = {n: v for n, v in named.items() if n not in ("q", "k", "v")}
+    return attention_arguments(named["q"], named["k"], named["v"], **rest)
+
+
 def bytes_read(named: dict) -> int:
     """What the decode attention must read: the filled body's packed fields and the side store."""
     length = int(named["body_end"])
-    capacity = named["k_codes"].shape[2]
-    total = named["side_k"].nbytes + named["side_v"].nbytes
+    capacity = named["k"].codes.shape[2]
+    total = named["k"].side.nbytes + named["v"].side.nbytes
     for name in ("codes", "scale", "zero", "out_val", "out_idx"):
         for prefix in ("k", "v"):
-            t = named[f"{prefix}_{name}"]
+            t = getattr(named[prefix], name)
             if t is not None:
                 total += t.nbytes * length // capacity
     return total
@@ -183,7 +191,7 @@ def check(args, device, dtype, emit) -> None:
 
     for preset in args.presets.split(","):
         named = layer_arguments(preset, 2, args.check_length, args.check_length + 37, device, dtype, seed=1)
-        got = torch.ops.kvq.triton_decode_attention(**named)
+        got = torch.ops.kvq.triton_decode_attention(**op_args(named))
         want = reference.attention(**reference_arguments(named), target="eager")
         diff = (got.float() - want.float()).abs().max().item()
         ok = diff <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())
@@ -202,7 +210,8 @@ def quantize_differences(preset: str, device) -> list[str]:
     from kvq_ao import KVQuantConfig
     from kvq_ao.kernels import reference
     from kvq_ao.quant.codebook import nf_codebook
-    from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, fixed_range
+    from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints
+    from kvq_ao.quant.uniform import fixed_range
 
     cfg = KVQuantConfig.preset(preset)
     differing = []
@@ -221,7 +230,7 @@ def quantize_differences(preset: str, device) -> list[str]:
             got, want = torch.ops.kvq.triton_quantize_fixed(*args), reference.quantize_fixed(*args)
             fields = ("codes", "out_val", "out_idx", "clamped")
         else:
-            args = (x, spec.bits, axis, spec.group_size, getattr(torch, cfg.scale_dtype), codebook, lo, hi, slots)
+            args = (x, format_ints(spec.bits, axis, spec.group_size), getattr(torch, cfg.scale_dtype), codebook, lo, hi, slots)
             got, want = torch.ops.kvq.triton_quantize(*args), reference.quantize(*args)
             fields = ("codes", "scale", "zero", "out_val", "out_idx", "clamped")
         differing += [f"{name}.{f}" for f, a, b in zip(fields, got, want) if not torch.equal(a, b)]
@@ -241,7 +250,7 @@ def attention(args, device, dtype, gbs: float, nominal: float | None, emit) -> N
         k = v = None
         for preset in args.presets.split(","):
             named = layer_arguments(preset, 1, n, n, device, dtype)
-            ms = median_ms(lambda: torch.ops.kvq.triton_decode_attention(**named), device, args.repeats)
+            ms = median_ms(lambda: torch.ops.kvq.triton_decode_attention(**op_args(named)), device, args.repeats)
             rows.append((preset, ms, bytes_read(named)))
             named = None
         for fmt, ms, nbytes in rows:

@@ -4,7 +4,7 @@
 
 `import kvq_ao` loads nothing heavy (every public name is resolved on first use), so it should
 cost no more than `import torch`; the first real use (`from kvq_ao import quantize_kv_,
-KVQuantConfig`) then pays for torch, torchao and transformers. Rows in results/import_time.json.
+KVQuantConfig`) then pays for torch, torchao and transformers. Rows in results/import_time/import_time.json.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def wall_time(code: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default="results/import_time.json")
+    parser.add_argument("--out", default="results/import_time/import_time.json")
     args = parser.parse_args()
     for code in STATEMENTS.values():  # warm the OS file cache once
         wall_time(code)

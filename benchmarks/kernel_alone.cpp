@@ -76,16 +76,16 @@ int main(int argc, char** argv) {
   auto view = [&](const char* name) { return t.count(name) ? t[name].view : kvq_core::View{}; };
   kvq_core::Args a;
   a.q = view("q");
-  a.k_codes = view("k_codes"), a.k_scale = view("k_scale"), a.k_zero = view("k_zero"), a.k_codebook = view("k_codebook");
-  a.k_out_val = view("k_out_val"), a.k_out_idx = view("k_out_idx");
-  a.v_codes = view("v_codes"), a.v_scale = view("v_scale"), a.v_zero = view("v_zero"), a.v_codebook = view("v_codebook");
-  a.v_out_val = view("v_out_val"), a.v_out_idx = view("v_out_idx");
-  a.side_k = view("side_k"), a.side_v = view("side_v"), a.side_pos = view("side_pos"), a.body_end = view("body_end");
+  for (auto [o, p] : {std::pair{&a.k, std::string("k_")}, std::pair{&a.v, std::string("v_")}}) {  // kernel_alone.py's names
+    auto field = [&](const char* name) { return view((p + name).c_str()); };
+    o->codes = field("codes"), o->scale = field("scale"), o->zero = field("zero"), o->codebook = field("codebook");
+    o->out_val = field("out_val"), o->out_idx = field("out_idx"), o->side = field("side");
+    o->bits = s[p + "bits"], o->axis = s[p + "axis"], o->group = s[p + "group"];
+  }
+  a.side_pos = view("side_pos"), a.body_end = view("body_end");
   a.mask = view("mask"), a.rope_inv_freq = view("rope_inv_freq");
   a.body_start = static_cast<int64_t>(s["body_start"]), a.scaling = s["scaling"], a.rope_scale = s["rope_scale"];
   a.softcap = s["softcap"];
-  a.k_bits = s["k_bits"], a.k_axis = s["k_axis"], a.k_group = s["k_group"];
-  a.v_bits = s["v_bits"], a.v_axis = s["v_axis"], a.v_group = s["v_group"];
 
   auto parallel_for = [threads](int64_t n, const auto& fn) {  // contiguous ranges, as ATen's
 #pragma omp parallel num_threads(threads)
@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
       if (n * i / k < n * (i + 1) / k) fn(n * i / k, n * (i + 1) / k);
     }
   };
-  std::vector<float> out(a.q.size(0) * a.q.size(1) * a.side_v.size(3));
+  std::vector<float> out(a.q.size(0) * a.q.size(1) * a.v.side.size(3));
   kvq_core::decode_attention(a, out.data(), threads, parallel_for);
   double checksum = 0;
   for (float x : out) checksum += x;

@@ -39,8 +39,14 @@ HEADER = "kernels/cpu/attention_core.h"
 def dump_layer(op: dict, directory: Path) -> None:
     """The op's arguments as kernel_alone.cpp reads them: contiguous tensors and a meta.txt."""
     codes = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15, torch.uint8: 0, torch.int64: 4, torch.bool: 11}
+    from kvq_ao.ops import named_arguments
+
+    named = named_arguments((), op)
+    flat = {n: v for n, v in named.items() if n not in ("k", "v")}
+    for prefix in ("k", "v"):
+        flat.update({f"{prefix}_{field}": value for field, value in named[prefix].fields().items()})
     lines = []
-    for name, value in op.items():
+    for name, value in flat.items():
         if isinstance(value, torch.Tensor):
             value.contiguous().numpy().tofile(directory / f"{name}.bin")
             lines.append(f"T {name} {codes[value.dtype]} {value.dim()} {' '.join(map(str, value.shape))}")
@@ -60,6 +66,9 @@ def build(revision: str, directory: Path, *extra: str) -> Path:
     include.mkdir(parents=True)
     header = subprocess.run(["git", "show", f"{revision}:{HEADER}"], cwd=ROOT, check=True, capture_output=True).stdout
     (include / "attention_core.h").write_bytes(header)
+    from kvq_ao.kernels.cpu import GENERATED_HEADER, generated_header
+
+    (include / GENERATED_HEADER).write_text(generated_header())  # this checkout's (revisions before it had none)
     binary = directory / "kernel_alone"
     subprocess.run(["g++", *CFLAGS, *extra, "-std=c++17", f"-I{include}", str(ROOT / "benchmarks/kernel_alone.cpp"), "-o", str(binary)],
                    check=True)  # fmt: skip
@@ -106,7 +115,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0, help="per revision, preset and thread count in a round")
     parser.add_argument("--perf", action="store_true", help="add a per-function profile of each preset (needs Linux perf)")
-    parser.add_argument("--out", default="results/kernel_alone.json")
+    parser.add_argument("--out", default="results/kernel_alone/kernel_alone.json")
     args = parser.parse_args()
     if args.perf and shutil.which("perf") is None:
         raise SystemExit("--perf needs Linux perf on PATH (perf record / perf report)")

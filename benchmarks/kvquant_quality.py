@@ -5,7 +5,7 @@ Calibration uses pydoc's calibration half (16 x 512 tokens); evaluation uses the
 fresh cache per window, chunks of 64), so the two never overlap. Rows are merged into the results
 file as they finish, so the table can be filled by several invocations. Presets use the model's calibrations in the user cache (`kvq calibrate`, or
 made here on first use); each ablation changes one thing of `kvquant-B-1pct` and is calibrated
-for itself. Prints a markdown table and writes results/kvquant.json.
+for itself. Prints a markdown table and writes results/kvquant_quality/kvquant.json.
 
     python benchmarks/kvquant_quality.py [--bits 3,2] [--presets a,b,config.json] [--skip-ablations]
     python benchmarks/kvquant_quality.py --presets kvquant-3-1pct --sink 1 --residual 0 --skip-ablations
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--residual", type=int, default=None, help="evaluate the presets with an N-token fp window instead of theirs")
     parser.add_argument("--sink", type=int, default=None, help="evaluate the presets with S sink tokens instead of theirs (calibrated for it)")
-    parser.add_argument("--out", default="results/kvquant.json")
+    parser.add_argument("--out", default="results/kvquant_quality/kvquant.json")
     args = parser.parse_args()
     model, tok = smollm2(args.threads)
     windows = eval_windows(tok, args.windows, args.window_len)

@@ -25,7 +25,7 @@ Sections (each preset runs in a fresh Python process, so peak memory is its own)
     python benchmarks/long_context.py --lengths 8192,32768,131072,524288,1048576 \\
         --presets fp,kivi-2,kvquant-2-1pct,kvquant-3-1pct --fp-max 262144
     python benchmarks/long_context.py --sections prefill,chunk-memory --presets fp,kivi-4,kvquant-3-1pct,kivi-2 \
-        --out results/long_context_prefill.json
+        --out results/long_context/long_context_prefill.json
     python benchmarks/long_context.py --tiny   # seconds: what CI runs
 """
 
@@ -313,7 +313,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="seconds-long version (CI): short lengths, 2 presets")
-    p.add_argument("--out", default="results/long_context.json")
+    p.add_argument("--out", default="results/long_context/long_context.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.tiny:

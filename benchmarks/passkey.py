@@ -162,7 +162,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--answer-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="results/passkey.jsonl")
+    p.add_argument("--out", default="results/passkey/passkey.jsonl")
     p.add_argument("--filler", choices=["eval", "dev"], default="eval",
                    help="eval: pydoc's held-out half (every reported table); dev: development text for choices")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out and skip their cells")

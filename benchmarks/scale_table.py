@@ -3,7 +3,7 @@
 Derived, not run on GPUs: every figure comes from a quantity measured or checked here.
 * Cache bytes come from `kvq_ao.estimate`, the memory accounting whose figures the tests compare
   with the bytes a live cache holds; it is checked again against the per-rank bytes the
-  context-parallel SmolLM2 run measured (results/context_parallel.json, section "long").
+  context-parallel SmolLM2 run measured (results/context_parallel/context_parallel.json, section "long").
 * A rank holds 1/world of every body (segments dealt round-robin) plus the whole side store
   (sink and window: every rank keeps it; rank 0 reads it).
 * Bytes exchanged per decode step: one all-gather per layer of each rank's (out, log-sum-exp),
@@ -13,7 +13,7 @@ Derived, not run on GPUs: every figure comes from a quantity measured or checked
   per step at the GPU's memory bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s, vendor figures),
   plus one all-gather latency per layer (assumed 20 us on NVLink, not measured here).
 
-    python benchmarks/scale_table.py [--measured results/context_parallel.json] [--out results/scale_table.json]
+    python benchmarks/scale_table.py [--measured results/context_parallel/context_parallel.json] [--out results/scale_table/scale_table.json]
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def table() -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--measured", default="results/context_parallel.json")
-    p.add_argument("--out", default="results/scale_table.json")
+    p.add_argument("--measured", default="results/context_parallel/context_parallel.json")
+    p.add_argument("--out", default="results/scale_table/scale_table.json")
     args = p.parse_args()
     check = check_measured(Path(args.measured))
     rows = table()

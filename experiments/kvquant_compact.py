@@ -22,7 +22,7 @@ KL per token is the finer signal (the one `kvq tune` also uses). Both rules pick
 same KL rule): each width's chosen layout with uniform key levels inside the calibrated ranges
 instead of nuq levels, added after the passkey diagnosis (docs/long_context.md) found calibrated
 ranges paired with nuq levels lose early needles; chosen, like every round, on development text.
-Writes results/kvquant_compact.json and prints a table.
+Writes results/kvquant_compact/kvquant_compact.json and prints a table.
 
     python experiments/kvquant_compact.py [--bits 4,3,2] [--windows 8]
 """
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--bits", default="4,3,2")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/kvquant_compact.json")
+    parser.add_argument("--out", default="results/kvquant_compact/kvquant_compact.json")
     args = parser.parse_args()
     widths = [int(b) for b in args.bits.split(",")]
     model, dev, acts = dev_setup(args.threads, args.windows)

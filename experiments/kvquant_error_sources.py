@@ -5,7 +5,7 @@ precision, and with its values left in full precision, on the development text o
 `kvquant_recipe.py` (never the evaluation text), each calibrated for itself on the same
 calibration activations. Each row also reports the fraction of key and value entries whose
 outliers found their vector's slots full and were clamped. A diagnostic: no preset is chosen from
-it. Writes results/kvquant_error_sources.json and prints a table.
+it. Writes results/kvquant_error_sources/kvquant_error_sources.json and prints a table.
 
     python experiments/kvquant_error_sources.py [--bits 4]
 """
@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bits", default="4")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/kvquant_error_sources.json")
+    parser.add_argument("--out", default="results/kvquant_error_sources/kvquant_error_sources.json")
     args = parser.parse_args()
     model, dev, acts = dev_setup(args.threads)
     rows = []

@@ -16,7 +16,7 @@ key blocks of 128 (its row there, not re-run), 64, 32, each calibrated for itsel
 Rule, fixed before running and before the window script's 128-token row was known (2026-12-01
 21:55 UTC): in order of cost, the first block whose 95% interval lies wholly within 0.5%; later
 blocks are not run. If none does, the block with the lowest development PPL. Writes
-results/kvquant_key_blocks.json after every row and prints a table.
+results/kvquant_key_blocks/kvquant_key_blocks.json after every row and prints a table.
 
     python experiments/kvquant_key_blocks.py
 """
@@ -38,8 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--windows", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--margin-results", default="results/kvquant_window_margin.json")
-    parser.add_argument("--out", default="results/kvquant_key_blocks.json")
+    parser.add_argument("--margin-results", default="results/kvquant_window_margin/kvquant_window_margin.json")
+    parser.add_argument("--out", default="results/kvquant_key_blocks/kvquant_key_blocks.json")
     args = parser.parse_args()
     margin = json.loads(Path(args.margin_results).read_text())
     window = margin["chosen"]["4"]["fp_window"]

@@ -11,7 +11,7 @@ activations, evaluated on the development text of `kvquant_recipe.py` (never the
 Rule, fixed before running (2026-12-01 18:37 UTC): take the fewest slots whose development PPL loss
 is within 0.1 point of the best candidate's (0.1 point: how far float rounding alone moved this
 preset's development PPL, README); so the preset changes only if more room beats one slot by more
-than that. Writes results/kvquant_key_slots.json and prints a table.
+than that. Writes results/kvquant_key_slots/kvquant_key_slots.json and prints a table.
 
     python experiments/kvquant_key_slots.py
 """
@@ -42,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="kvquant-4-1pct")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/kvquant_key_slots.json")
+    parser.add_argument("--out", default="results/kvquant_key_slots/kvquant_key_slots.json")
     args = parser.parse_args()
     model, dev, acts = dev_setup(args.threads)
     preset = KVQuantConfig.preset(args.preset)

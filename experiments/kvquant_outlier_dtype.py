@@ -4,7 +4,7 @@ kvquant-B-1pct as shipped (outlier values in the model's dtype, float32 for Smol
 same preset with `QuantSpec.outlier_dtype="float16"` for keys and values (24 bits a slot with its
 uint8 index instead of 40), on the development windows of `dev_text.py` (never the evaluation
 text), with the presets' own calibrations (the fit does not depend on the outlier dtype). Writes
-results/kvquant_outlier_dtype.json and prints a table.
+results/kvquant_outlier_dtype/kvquant_outlier_dtype.json and prints a table.
 
     python experiments/kvquant_outlier_dtype.py [--bits 4,3,2] [--windows 4]
 """
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--bits", default="4,3,2")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/kvquant_outlier_dtype.json")
+    parser.add_argument("--out", default="results/kvquant_outlier_dtype/kvquant_outlier_dtype.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2")

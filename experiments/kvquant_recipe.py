@@ -12,7 +12,7 @@ no calibration of its own.
 
 Rule, fixed before running: per bit width, the cheapest candidate (bits/element at 4096 tokens)
 whose development PPL is within the issue's target (4 bits 0.5%, 3 bits 3%, 2 bits 15%); if none
-is, the one with the lowest development PPL. Writes results/kvquant_recipe.json and prints a table.
+is, the one with the lowest development PPL. Writes results/kvquant_recipe/kvquant_recipe.json and prints a table.
 
     python experiments/kvquant_recipe.py [--bits 4,3,2]   # rows of other widths in --out are kept
 """
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window-len", type=int, default=1025)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/kvquant_recipe.json")
+    parser.add_argument("--out", default="results/kvquant_recipe/kvquant_recipe.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2")

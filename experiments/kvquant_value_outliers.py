@@ -5,7 +5,7 @@ token, online. For each width this evaluates kvquant-B-1pct in its chosen layout
 outliers judged both ways (`QuantSpec.outlier_rule` "channel" / "vector"), on the development text
 of `kvquant_recipe.py` (never the evaluation text), each calibrated for itself. Rule, fixed before
 the first run: a preset uses "vector" where it lowers development PPL. Writes
-results/kvquant_value_outliers.json and prints a table.
+results/kvquant_value_outliers/kvquant_value_outliers.json and prints a table.
 
     python experiments/kvquant_value_outliers.py [--bits 4,3,2]
 """
@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bits", default="4,3,2")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/kvquant_value_outliers.json")
+    parser.add_argument("--out", default="results/kvquant_value_outliers/kvquant_value_outliers.json")
     args = parser.parse_args()
     model, dev, acts = dev_setup(args.threads)
     rows = []

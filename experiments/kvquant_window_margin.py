@@ -17,7 +17,7 @@ Rule, fixed before running (2026-12-01 21:26 UTC): per width, the first (cheapes
 95% interval of the PPL ratio (Student t over the 48 per-window paired differences, as `evaluate`
 reports it) lies wholly within the issue's target (4 bits 0.5%, 3 bits 3%, 2 bits 15%); later
 windows of that width are not run. If none does, the one with the lowest development PPL. Writes
-results/kvquant_window_margin.json after every row and prints a table.
+results/kvquant_window_margin/kvquant_window_margin.json after every row and prints a table.
 
     python experiments/kvquant_window_margin.py [--bits 4,3,2]
 """
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--bits", default="4,3,2")
     parser.add_argument("--windows", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/kvquant_window_margin.json")
+    parser.add_argument("--out", default="results/kvquant_window_margin/kvquant_window_margin.json")
     args = parser.parse_args()
     model, dev, acts = dev_setup(args.threads, args.windows)
     widths = [int(b) for b in args.bits.split(",")]

@@ -18,43 +18,37 @@ import torch
 from kvq_ao.api import make_cache, quantize_kv_
 from kvq_ao.model_info import check_model, model_dims
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.kernels import reference
-from kvq_ao.ops import run_reference
+from kvq_ao.format import OPERAND_TENSORS
+from kvq_ao.ops import decompositions
 
-# Tensors of one layer, in a fixed order (names are used for buffers and ONNX inputs/outputs).
-LAYER_TENSORS = ("k_codes", "k_scale", "k_zero", "k_out_val", "k_out_idx", "v_codes", "v_scale", "v_zero",
-                 "v_out_val", "v_out_idx", "side_k", "side_v", "side_pos", "body_end", "length")  # fmt: skip
+# Tensors of one layer, in a fixed order (names are used for buffers and ONNX inputs/outputs): each
+# operand's fields (`kvq_ao.format`) but the codebook, a constant of the layer, then the shared state.
+_STORED = tuple(name for name in OPERAND_TENSORS if name != "codebook")
+LAYER_TENSORS = (*(f"{kind}_{name}" for kind in "kv" for name in _STORED), "side_pos", "body_end", "length")
 # Buffers whose initial value matters (ExecuTorch leaves other mutable buffers uninitialized):
 # -1 marks empty side slots; outlier values are selected before masking, so must be finite.
 INITIALIZED = ("side_pos", "out_val")
 
-# Exported programs lower the reference kernels (core ATen), on every device.
-DECOMPOSITIONS = {
-    torch.ops.kvq.quantize.default: reference.quantize,
-    torch.ops.kvq.quantize_fixed.default: reference.quantize_fixed,
-    torch.ops.kvq.dequantize.default: reference.dequantize,
-    torch.ops.kvq.decode_attention.default: lambda *args, **kwargs: run_reference(args, kwargs),
-    torch.ops.kvq.chunk_attention.default: lambda *args, **kwargs: run_reference(args, kwargs),
-}
 
 
 def _layer_tensors(layer) -> dict[str, torch.Tensor]:
-    kc, ks, kz = layer.k_body.tensors()
-    vc, vs, vz = layer.v_body.tensors()
-    kov, koi = layer.k_body.sparse()
-    vov, voi = layer.v_body.sparse()
-    return dict(k_codes=kc, k_scale=ks, k_zero=kz, k_out_val=kov, k_out_idx=koi, v_codes=vc, v_scale=vs, v_zero=vz,
-                v_out_val=vov, v_out_idx=voi, side_k=layer.side_k, side_v=layer.side_v, side_pos=layer.side_pos,
-                body_end=layer.body_end, length=layer.cumulative_length)  # fmt: skip
+    out = {}
+    for kind in "kv":
+        body = getattr(layer, f"{kind}_body")
+        for name in _STORED:
+            out[f"{kind}_{name}"] = getattr(layer, f"side_{kind}") if name == "side" else getattr(body, name)
+    return dict(out, side_pos=layer.side_pos, body_end=layer.body_end, length=layer.cumulative_length)
 
 
 def _set_layer_tensors(layer, t: dict[str, torch.Tensor]) -> None:
-    layer.k_body.codes, layer.k_body.scale, layer.k_body.zero = t["k_codes"], t["k_scale"], t["k_zero"]
-    layer.v_body.codes, layer.v_body.scale, layer.v_body.zero = t["v_codes"], t["v_scale"], t["v_zero"]
-    layer.k_body.out_val, layer.k_body.out_idx = t["k_out_val"], t["k_out_idx"]
-    layer.v_body.out_val, layer.v_body.out_idx = t["v_out_val"], t["v_out_idx"]
-    layer.side_k, layer.side_v, layer.side_pos = t["side_k"], t["side_v"], t["side_pos"]
-    layer.body_end, layer.cumulative_length = t["body_end"], t["length"]
+    for kind in "kv":
+        body = getattr(layer, f"{kind}_body")
+        for name in _STORED:
+            if name == "side":
+                setattr(layer, f"side_{kind}", t[f"{kind}_{name}"])
+            else:
+                setattr(body, name, t[f"{kind}_{name}"])
+    layer.side_pos, layer.body_end, layer.cumulative_length = t["side_pos"], t["body_end"], t["length"]
 
 
 class DecodeStep(torch.nn.Module):
@@ -118,7 +112,7 @@ def export_decode_step(step: torch.nn.Module, decompose: bool = True, native_att
         program = torch.export.export(step, example, strict=True)
     if not decompose:
         return program
-    table = dict(DECOMPOSITIONS)
+    table = decompositions("export")  # the reference kernels (core ATen), on every device
     if native_attention:
         del table[torch.ops.kvq.decode_attention.default]
     return program.run_decompositions(table)

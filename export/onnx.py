@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.export.decoder import DECOMPOSITIONS, DecodeStep, greedy_generate
+from kvq_ao.export.decoder import DecodeStep, greedy_generate
+from kvq_ao.ops import decompositions
 
 
 class _PastPresentStep(torch.nn.Module):
@@ -39,7 +40,7 @@ def export_onnx(model, config: KVQuantConfig, path: str | Path, max_seq_len: int
     wrapper = _PastPresentStep(step).eval()
     example = (torch.tensor([[0]], dtype=torch.long), torch.tensor([0], dtype=torch.long), *initial)
     with torch.no_grad():
-        program = torch.export.export(wrapper, example, strict=True).run_decompositions(DECOMPOSITIONS)
+        program = torch.export.export(wrapper, example, strict=True).run_decompositions(decompositions("export"))
         onnx_program = torch.onnx.export(
             program,
             input_names=["input_ids", "cache_position", *[f"past.{n}" for n in names]],

@@ -6,7 +6,8 @@ no `torch.tensor` constants, no data-dependent Python control flow.
 
 Cache layout read by `attention` (one layer, one of K or V):
 * body: all positions [0, T) of the layer's capacity, as packed codes + scale + zero
-  (`bits == 0` means the body is already floating point and scale/zero are empty);
+  (a float format, `kvq_ao.format.is_float`, means the body is already floating point and
+  scale/zero are empty); each of K and V is an `Operand` (`kvq_ao.format`);
   only positions in [body_start, body_end) are read from it. A non-empty `codebook` means
   non-uniform levels (`kvq_ao.quant.codebook`); `out_val`/`out_idx` [.., T, k] are the exact
   outliers of each vector (`kvq_ao.quant.outliers`; k = 0 when unused).
@@ -29,15 +30,18 @@ from kvq_ao.quant.codebook import dequantize_codebook, nearest_level, quantize_c
 from kvq_ao.quant.packing import pack
 from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
-from kvq_ao.quant.uniform import ONE_ROW, dequantize_uniform, quantize_uniform
+from kvq_ao.format import AXIS_CHANNEL, Operand, format_of, is_float, is_one_row
+from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
 
 
-def quantize(x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype, codebook: torch.Tensor,
+def quantize(x: torch.Tensor, format: list[int], scale_dtype: torch.dtype, codebook: torch.Tensor,
              lo: torch.Tensor, hi: torch.Tensor, n_outliers: int):  # fmt: skip
-    """-> (codes, scale, zero, out_val [.., T, k], out_idx [.., T, k] uint8, clamped int64 count).
+    """x in `format` (an operand's format numbers) -> (codes, scale, zero, out_val [.., T, k],
+    out_idx [.., T, k] uint8, clamped int64 count).
 
     Outliers are judged by the channel ranges lo/hi, or per vector when lo/hi are empty.
     """
+    bits, axis, group = format_of(format)
     if n_outliers > 0 and lo.numel() == 0:
         dense, out_val, out_idx, _ = split_vector_outliers(x, n_outliers, group)
         clamped = x.new_zeros([], dtype=torch.int64)  # every vector keeps all k of its outliers
@@ -82,15 +86,23 @@ def quantize_fixed(x: torch.Tensor, bits: int, zero: torch.Tensor, scale: torch.
     return pack(codes.to(torch.uint8), bits), out_val, out_idx, clamped
 
 
-def dequantize(codes, scale, zero, codebook, out_val, out_idx, bits: int, axis: int, group: int,
-               dtype: torch.dtype, select_levels: bool = False) -> torch.Tensor:  # fmt: skip
-    if bits == 0:
-        return codes.to(dtype)
-    if codebook.numel() > 0:
-        x = dequantize_codebook(codes, scale, zero, codebook, bits, axis, group, torch.float32, select_levels)
+def dequantize_operand(o: Operand, dtype: torch.dtype, select_levels: bool = False) -> torch.Tensor:
+    """One operand's body [B, H, T, D] in dtype (the side store is not read). An absent (None or
+    empty) codebook means uniform levels, absent outliers none."""
+    if is_float(o.bits):
+        return o.codes.to(dtype)
+    if o.codebook is not None and o.codebook.numel() > 0:
+        x = dequantize_codebook(o.codes, o.scale, o.zero, o.codebook, o.bits, o.axis, o.group, torch.float32, select_levels)
     else:
-        x = dequantize_uniform(codes, scale, zero, bits, axis, group, torch.float32)
-    return apply_outliers(x, out_val, out_idx).to(dtype)
+        x = dequantize_uniform(o.codes, o.scale, o.zero, o.bits, o.axis, o.group, torch.float32)
+    if o.out_val is not None:
+        x = apply_outliers(x, o.out_val, o.out_idx)
+    return x.to(dtype)
+
+
+def dequantize(operand: list, format: list, dtype: torch.dtype) -> torch.Tensor:
+    """`kvq.dequantize`: an operand's lists (`kvq_ao.format`) -> its body in dtype."""
+    return dequantize_operand(Operand.from_lists(operand, format), dtype)
 
 
 TARGETS = ("eager", "export", "inductor")  # who runs `attention`'s graph (see there)
@@ -142,20 +154,8 @@ def _masks(mask, side_pos, body_start: int, body_end, t: int):
 
 def attention(
     q: torch.Tensor,
-    k_codes: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    k_codebook: torch.Tensor,
-    k_out_val: torch.Tensor,
-    k_out_idx: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    v_codebook: torch.Tensor,
-    v_out_val: torch.Tensor,
-    v_out_idx: torch.Tensor,
-    side_k: torch.Tensor,
-    side_v: torch.Tensor,
+    k: Operand,
+    v: Operand,
     side_pos: torch.Tensor,
     body_end: torch.Tensor,
     mask: torch.Tensor,
@@ -163,12 +163,6 @@ def attention(
     body_start: int,
     scaling: float,
     rope_scale: float,
-    k_bits: int,
-    k_axis: int,
-    k_group: int,
-    v_bits: int,
-    v_axis: int,
-    v_group: int,
     softcap: float = 0.0,
     *,
     target: str = "export",
@@ -198,15 +192,14 @@ def attention(
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     if masks.is_bounds(mask):
-        mask = masks.dense(mask, k_codes.shape[2])
+        mask = masks.dense(mask, k.codes.shape[2])
+    side_k, side_v = k.side, v.side
     for_inductor, matmul = target == "inductor", target == "eager"
     realize = _into_buffer if for_inductor else _unchanged
     q = realize(q)
     b, hq, tq, d = q.shape
-    k = dequantize(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, k_bits, k_axis, k_group, torch.float32,
-                   for_inductor)  # fmt: skip
-    v = dequantize(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, v_bits, v_axis, v_group, torch.float32,
-                   for_inductor)  # fmt: skip
+    k = dequantize_operand(k, torch.float32, for_inductor)
+    v = dequantize_operand(v, torch.float32, for_inductor)
     hkv, t = k.shape[1], k.shape[2]
     sk, sv = side_k.float(), side_v.float()
     pre_rope = rope_inv_freq.numel() > 0  # keys stored before RoPE: rotate each at its own position
@@ -265,21 +258,16 @@ STREAM_SCORES = 2**22  # query rows x block positions of one block's scores (16 
 STREAM_BLOCK = (256, 8192)  # the range of body positions dequantized at once by `streaming_attention`
 
 
-def _spans_body(axis: int, group: int) -> bool:
-    """Whether a per-channel operand's one scale/zero row serves every position (calibrated ranges)."""
-    return axis == 1 and group == ONE_ROW
-
-
-def body_slice(codes, scale, zero, out_val, out_idx, axis: int, group: int, start: int, end: int):
-    """Positions [start, end) of one operand's body -> (codes, scale, zero, out_val, out_idx, group):
-    start and end on its per-channel group grid, unless one row spans the body (ONE_ROW: the row is
-    kept whole and serves the slice as it serves the body)."""
+def body_slice(o: Operand, start: int, end: int) -> Operand:
+    """Positions [start, end) of one operand's body (empty tensors as the reference takes them):
+    start and end on its per-channel group grid, unless one row spans the body (calibrated ranges:
+    the row is kept whole and serves the slice as it serves the body)."""
     cut = lambda t, a, b: t[:, :, a:b] if t.dim() == 4 else t  # noqa: E731  (empty placeholders stay)
-    if _spans_body(axis, group):
-        return cut(codes, start, end), scale, zero, cut(out_val, start, end), cut(out_idx, start, end), group
-    rows = (start // group, end // group) if axis == 1 and scale.numel() else (start, end)
-    return (cut(codes, start, end), cut(scale, *rows), cut(zero, *rows), cut(out_val, start, end), cut(out_idx, start, end),
-            group)  # fmt: skip
+    sliced = o.replace(codes=cut(o.codes, start, end), out_val=cut(o.out_val, start, end), out_idx=cut(o.out_idx, start, end))
+    if is_one_row(o.axis, o.group):
+        return sliced
+    rows = (start // o.group, end // o.group) if o.axis == AXIS_CHANNEL and o.scale.numel() else (start, end)
+    return sliced.replace(scale=cut(o.scale, *rows), zero=cut(o.zero, *rows))
 
 
 def block_attention(q, k, v, ok, scaling: float, softcap: float):
@@ -313,10 +301,8 @@ STREAM_TILE = 512  # queries attended together (with all their query heads) by `
 
 
 def streaming_attention(
-    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook, v_out_val,
-    v_out_idx, side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start: int, scaling: float,
-    rope_scale: float, k_bits: int, k_axis: int, k_group: int, v_bits: int, v_axis: int, v_group: int,
-    softcap: float = 0.0, block: int | None = None, tile: int = STREAM_TILE, position_offset: int = 0,
+    q, k: Operand, v: Operand, side_pos, body_end, mask, rope_inv_freq, body_start: int, scaling: float,
+    rope_scale: float, softcap: float = 0.0, block: int | None = None, tile: int = STREAM_TILE, position_offset: int = 0,
     with_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`attention` for any number of queries, computed block by block (eager only: Python loop).
@@ -339,7 +325,8 @@ def streaming_attention(
     merging shards exactly needs (`kvq_ao.parallel.merge_partials`).
     """
     b, hq, tq, d = q.shape
-    hkv, t = k_codes.shape[1], k_codes.shape[2]
+    hkv, t = k.codes.shape[1], k.codes.shape[2]
+    side_k, side_v = k.side, v.side
     n = hq // hkv
     dv = side_v.shape[-1]
     bounded = masks.is_bounds(mask)
@@ -377,8 +364,7 @@ def streaming_attention(
 
     first = max(body_start, min(tl[2] for tl in tiles))
     last = min(max(min(tl[5], tl[7]) for tl in tiles), t)  # past every tile's causal bound and body end
-    grid = math.lcm(*(group for axis, group, bits in ((k_axis, k_group, k_bits), (v_axis, v_group, v_bits))
-                      if bits and axis == 1 and not _spans_body(axis, group)))  # per-channel groups: slices start and end on their grid  # fmt: skip
+    grid = math.lcm(*(o.group for o in (k, v) if not o.is_float and o.axis == AXIS_CHANNEL and not is_one_row(o.axis, o.group)))  # per-channel groups: slices start and end on their grid  # fmt: skip
     if block is None:
         block = min(max(STREAM_SCORES // (hq * min(tile, tq)), STREAM_BLOCK[0]), STREAM_BLOCK[1])
     step = max(grid, block // grid * grid)
@@ -387,17 +373,15 @@ def streaming_attention(
         readers = [tl for tl in tiles if start < min(tl[5], tl[7]) and end > max(tl[2], body_start)]
         if not readers:
             continue
-        kc, ks, kz, kov, koi, kg = body_slice(k_codes, k_scale, k_zero, k_out_val, k_out_idx, k_axis, k_group, start, end)
-        vc, vs, vz, vov, voi, vg = body_slice(v_codes, v_scale, v_zero, v_out_val, v_out_idx, v_axis, v_group, start, end)
-        k = dequantize(kc, ks, kz, k_codebook, kov, koi, k_bits, k_axis, kg, torch.float32)
-        v = dequantize(vc, vs, vz, v_codebook, vov, voi, v_bits, v_axis, vg, torch.float32)
+        kb = dequantize_operand(body_slice(k, start, end), torch.float32)
+        vb = dequantize_operand(body_slice(v, start, end), torch.float32)
         positions = torch.arange(start, end, device=q.device)
         if pre_rope:
-            k = rotate(k, positions + position_offset, rope_inv_freq, rope_scale)
-        k, v = per_head(k), per_head(v)
+            kb = rotate(kb, positions + position_offset, rope_inv_freq, rope_scale)
+        kb, vb = per_head(kb), per_head(vb)
         for i, j, lo_min, lo_max, hi_min, hi_max, end_min, end_max in readers:
             a, z = max(start, lo_min, body_start), min(end, hi_max, end_max)  # the part of the block the tile may read
-            kt, vt, pt = k[:, :, a - start : z - start], v[:, :, a - start : z - start], positions[a - start : z - start]
+            kt, vt, pt = kb[:, :, a - start : z - start], vb[:, :, a - start : z - start], positions[a - start : z - start]
             if bounded and a >= lo_max and z <= min(hi_min, end_min):
                 attend(i, j, kt, vt, pt)  # every query of the tile may read all of it: no mask
             else:
@@ -418,4 +402,4 @@ def streaming_attention(
     return (acc, acc_lse) if with_lse else acc.to(q.dtype)
 
 
-__all__ = ["attention", "dequantize", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]
+__all__ = ["attention", "body_slice", "dequantize", "dequantize_operand", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]

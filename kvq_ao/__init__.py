@@ -56,6 +56,22 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def _find_checkout_subpackages() -> None:
+    """In a checkout, kernels/ and export/ sit beside this package at the repository's top level;
+    an install maps them to kvq_ao.kernels and kvq_ao.export (pyproject's package-dir). Imported
+    from a checkout without that mapping (the repository root first on sys.path, e.g. an installed
+    wheel shadowed by the source folder), look for them beside the package as well."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    beside = all(os.path.isfile(os.path.join(root, *p)) for p in (("kernels", "reference.py"), ("export", "decoder.py")))
+    if beside and os.path.isfile(os.path.join(root, "pyproject.toml")) and root not in __path__:
+        __path__.append(root)
+
+
+_find_checkout_subpackages()
+
+
 def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:

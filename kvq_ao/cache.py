@@ -34,7 +34,8 @@ from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.rope import unrotate
-from kvq_ao.quant.uniform import ONE_ROW, fixed_range
+from kvq_ao.format import encode, format_ints
+from kvq_ao.quant.uniform import fixed_range
 from kvq_ao.tensor import QuantizedKV
 
 _GROWTH_STEP = 256  # a dynamic cache's capacity is a multiple of this many tokens (and of its block)
@@ -45,7 +46,7 @@ _STATIC_STEP = 16
 
 
 def _op_format(spec: QuantSpec) -> tuple[int, int, int]:
-    return (spec.bits or 0, spec.axis_id, spec.group_size)
+    return encode(spec.bits, spec.axis_id, spec.group_size)
 
 
 @dataclass
@@ -130,11 +131,9 @@ class _BodyStore:
 
     def op_format(self) -> tuple[int, int, int]:
         """(bits, axis, group) the kvq ops read this body with: calibrated ranges are the per-channel
-        format with one scale/zero row for all positions (group ONE_ROW, whatever the capacity, so a
+        format with one scale/zero row for all positions (`kvq_ao.format.ONE_ROW`, whatever the capacity, so a
         growing cache keeps one format and a compiled step its graph)."""
-        if self.spec.calibrated_ranges:
-            return self.spec.bits, self.spec.axis_id, ONE_ROW
-        return _op_format(self.spec)
+        return encode(self.spec.bits, self.spec.axis_id, self.spec.group_size, calibrated_rows=self.spec.calibrated_ranges)
 
     def clear(self) -> None:
         """Forget every stored token (fixed calibrated ranges stay)."""
@@ -144,6 +143,12 @@ class _BodyStore:
 
     def sparse(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out_val, self.out_idx
+
+    def operand_fields(self) -> dict:
+        """The body's fields of a `QuantizedKV` (every operand field but the side store)."""
+        bits, axis, group = self.op_format()
+        return dict(codes=self.codes, scale=self.scale, zero=self.zero, codebook=self.codebook, out_val=self.out_val,
+                    out_idx=self.out_idx, bits=bits, axis=axis, group=group)  # fmt: skip
 
     def grow(self, capacity: int) -> None:
         def pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -166,8 +171,8 @@ class _BodyStore:
                 x, bits, self.fixed_zero, self.fixed_scale, self.codebook, self.lo, self.hi, self.n_outliers)  # fmt: skip
             return codes, None, None, out_val.to(self.out_val.dtype), out_idx, clamped
         op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)
-        codes, scale, zero, out_val, out_idx, clamped = op(x, bits, axis, group, self.scale_dtype, self.codebook, self.lo,
-                                                           self.hi, self.n_outliers)  # fmt: skip
+        codes, scale, zero, out_val, out_idx, clamped = op(x, format_ints(bits, axis, group), self.scale_dtype, self.codebook,
+                                                           self.lo, self.hi, self.n_outliers)  # fmt: skip
         return codes, scale, zero, out_val.to(self.out_val.dtype), out_idx, clamped
 
     def write(self, start: int, x: torch.Tensor) -> None:
@@ -588,14 +593,10 @@ class QuantizedLayer(CacheLayerMixin):
         """The layer's keys and values as `QuantizedKV` views of its storage; `side` = (keys,
         values, positions, body_end) replaces the side store and body end (see `_chunk_views`)."""
         k, v = self.k_body, self.v_body
-        kb, ka, kg = k.op_format()
-        vb, va, vg = v.op_format()
         side_k, side_v, side_pos, body_end = side or (self.side_k, self.side_v, self.side_pos, self.body_end)
-        no_rope = self.rope_inv_freq[:0]
-        keys = QuantizedKV(*k.tensors(), k.codebook, *k.sparse(), side_k, side_pos, body_end,
-                           self.rope_inv_freq, kb, ka, kg, self.sink, self.dtype, self.rope_scale)  # fmt: skip
-        values = QuantizedKV(*v.tensors(), v.codebook, *v.sparse(), side_v, side_pos, body_end,
-                             no_rope, vb, va, vg, self.sink, self.dtype, 1.0)  # fmt: skip
+        shared = dict(side_pos=side_pos, body_end=body_end, body_start=self.sink, logical_dtype=self.dtype)
+        keys = QuantizedKV(**k.operand_fields(), side=side_k, rope_inv_freq=self.rope_inv_freq, rope_scale=self.rope_scale, **shared)
+        values = QuantizedKV(**v.operand_fields(), side=side_v, rope_inv_freq=self.rope_inv_freq[:0], rope_scale=1.0, **shared)
         return keys, values
 
     @property

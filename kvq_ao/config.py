@@ -408,7 +408,7 @@ class KVQuantLayout:
     key_levels: str = "nuq"  # "nuq": calibrated levels; "int": uniform levels inside the calibrated ranges
 
 
-# Chosen on development text by experiments/kvquant_compact.py (results/kvquant_compact.json: the
+# Chosen on development text by experiments/kvquant_compact.py (results/kvquant_compact/kvquant_compact.json: the
 # lowest development KL to fp among layouts within 5.3 / 4.0 / 3.0 bits per element at 4096 tokens;
 # docs/kvquant.md says how that rule came to replace a PPL rule). Keys take calibrated per-channel
 # ranges (no per-block metadata, no key block held in float), values one scale/zero per vector,

@@ -15,16 +15,15 @@ import re
 
 import torch
 
+from kvq_ao import format as fmt
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, OPERAND_INTS, OPERAND_TENSORS, Operand
 from kvq_ao.kernels import reference
-from kvq_ao.quant.packing import SUPPORTED_BITS, packed_size
-from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, check_shape
+from kvq_ao.quant.packing import packed_size
+from kvq_ao.quant.uniform import check_shape
 
 
 def _check_format(bits: int, axis: int, group: int, allow_fp: bool = False) -> None:
-    if not (bits in SUPPORTED_BITS or (allow_fp and bits == 0)):
-        raise ValueError(f"kvq: bits must be one of {SUPPORTED_BITS}{' or 0 (float)' if allow_fp else ''}, got {bits}")
-    if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
-        raise ValueError(f"kvq: axis must be {AXIS_TOKEN} (token) or {AXIS_CHANNEL} (channel), got {axis}")
+    fmt.check_format(bits, axis, group, allow_float=allow_fp)
 
 
 def _meta_shapes(shape, bits: int, axis: int, group: int) -> tuple[list[int], list[int]]:
@@ -32,29 +31,30 @@ def _meta_shapes(shape, bits: int, axis: int, group: int) -> tuple[list[int], li
     *lead, t, d = shape
     check_shape(t, d, axis, group)
     codes = [*lead, t, packed_size(d, bits)]
-    scale = [*lead, t, d // group] if axis == AXIS_TOKEN else [*lead, t // group if group else 1, d]
+    scale = [*lead, t, d // group] if axis == AXIS_TOKEN else [*lead, t // fmt.tokens_per_group(axis, group, t), d]
     return codes, scale
 
 
 # --------------------------------------------------------------------------- quantize
 @torch.library.custom_op("kvq::quantize", mutates_args=())
 def quantize(
-    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype,
+    x: torch.Tensor, format: list[int], scale_dtype: torch.dtype,
     codebook: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_outliers: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """x [B, H, T, D] float -> (codes, scale, zero, outlier values, outlier indices, clamped count).
+    """x [B, H, T, D] float in `format` (an operand's format numbers, `kvq_ao.format.format_ints`)
+    -> (codes, scale, zero, outlier values, outlier indices, clamped count).
 
     codebook: empty for the uniform grid, else 2**bits sorted levels in [0, 1]. n_outliers > 0
     keeps that many outliers per vector exact, judged by the channel ranges lo/hi [H, D], or,
     when lo and hi are empty, per vector (its entries furthest from its mean; per-token axis only).
     """
-    _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
-    return reference.quantize(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers)
+    _check_quantize(x, format, codebook, lo, hi, n_outliers)
+    return reference.quantize(x, format, scale_dtype, codebook, lo, hi, n_outliers)
 
 
 @quantize.register_fake
-def _(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers):
-    _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
+def _(x, format, scale_dtype, codebook, lo, hi, n_outliers):
+    bits, axis, group = _check_quantize(x, format, codebook, lo, hi, n_outliers)
     codes, scale = _meta_shapes(x.shape, bits, axis, group)
     sparse = [*x.shape[:-1], n_outliers]
     return (
@@ -67,7 +67,14 @@ def _(x, bits, axis, group, scale_dtype, codebook, lo, hi, n_outliers):
     )
 
 
-def _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers) -> None:
+def _check_quantize(x, format, codebook, lo, hi, n_outliers) -> tuple[int, int, int]:
+    """Validate kvq.quantize's arguments; returns the format's (bits, axis, group)."""
+    bits, axis, group = fmt.format_of(format)
+    _check_quantize_format(x, bits, axis, group, codebook, lo, hi, n_outliers)
+    return bits, axis, group
+
+
+def _check_quantize_format(x, bits, axis, group, codebook, lo, hi, n_outliers) -> None:
     _check_format(bits, axis, group)
     _meta_shapes(x.shape, bits, axis, group)
     _check_codebook_shape(codebook, bits)
@@ -76,8 +83,8 @@ def _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers) -> None:
     if n_outliers > 0:
         if x.dim() != 4:
             raise ValueError("kvq: outliers need x as [batch, heads, tokens, head_dim]")
-        if x.shape[-1] >= 255:
-            raise ValueError(f"kvq: outliers need head_dim < 255 (uint8 channel indices), got {x.shape[-1]}")
+        if x.shape[-1] > fmt.MAX_OUTLIER_HEAD_DIM:
+            raise ValueError(f"kvq: outliers need head_dim <= {fmt.MAX_OUTLIER_HEAD_DIM} (uint8 channel indices), got {x.shape[-1]}")
         if lo.numel() == 0 and hi.numel() == 0:
             if axis != AXIS_TOKEN:
                 raise ValueError("kvq: per-vector outliers (empty lo/hi) need the per-token axis; per-channel groups need calibrated thresholds")
@@ -98,7 +105,7 @@ def quantize_fixed(
     lo/hi [H, D]: each channel's calibrated range (entries outside it are outliers, up to n_outliers
     per vector kept exact, the rest clamped); zero/scale [H, D]: the stored range that covers it
     (`kvq_ao.quant.uniform.fixed_range`). The codes read as the per-channel format with one
-    scale/zero row for every position (`kvq.dequantize` with group ONE_ROW = 0).
+    scale/zero row for every position (`kvq.dequantize` with group `kvq_ao.format.ONE_ROW`).
     """
     _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
     return reference.quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
@@ -126,8 +133,9 @@ def _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers) ->
     for name, t in (("zero", zero), ("scale", scale), ("lo", lo), ("hi", hi)):
         if tuple(t.shape) != want:
             raise ValueError(f"kvq: fixed ranges need {name} as [heads, head_dim] = {list(want)}, got {list(t.shape)}")
-    if n_outliers < 0 or n_outliers > x.shape[-1] or (n_outliers and x.shape[-1] >= 255):
-        raise ValueError(f"kvq: n_outliers must be in [0, head_dim={x.shape[-1]}] with head_dim < 255, got {n_outliers}")
+    if n_outliers < 0 or n_outliers > x.shape[-1] or (n_outliers and x.shape[-1] > fmt.MAX_OUTLIER_HEAD_DIM):
+        raise ValueError(f"kvq: n_outliers must be in [0, head_dim={x.shape[-1]}] with head_dim <= {fmt.MAX_OUTLIER_HEAD_DIM}, "
+                         f"got {n_outliers}")  # fmt: skip
 
 
 def _check_codebook_shape(codebook: torch.Tensor, bits: int) -> None:
@@ -138,63 +146,77 @@ def _check_codebook_shape(codebook: torch.Tensor, bits: int) -> None:
 
 
 # --------------------------------------------------------------------------- dequantize
-@torch.library.custom_op("kvq::dequantize", mutates_args=())
-def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codebook: torch.Tensor, out_val: torch.Tensor,
-    out_idx: torch.Tensor, bits: int, axis: int, group: int, dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    """Packed codes [..., T, D*bits/8] -> [..., T, D] in dtype (bits == 0: codes are already float)."""
-    _check_format(bits, axis, group, allow_fp=True)
-    _check_codebook_shape(codebook, bits)
-    return reference.dequantize(codes, scale, zero, codebook, out_val, out_idx, bits, axis, group, dtype)
+@torch.library.custom_op("kvq::dequantize", mutates_args=(), schema="(Tensor?[] operand, int[] format, ScalarType dtype) -> Tensor")
+def dequantize(operand, format, dtype) -> torch.Tensor:
+    """One operand's body (its lists, `kvq_ao.format`; the side entry is not read): packed codes
+    [..., T, D*bits/8] -> [..., T, D] in dtype (a float format: codes are the values)."""
+    return reference.dequantize_operand(_check_dequantize(operand, format), dtype)
 
 
 @dequantize.register_fake
-def _(codes, scale, zero, codebook, out_val, out_idx, bits, axis, group, dtype):
-    _check_format(bits, axis, group, allow_fp=True)
-    _check_codebook_shape(codebook, bits)
-    if bits == 0:
-        return codes.new_empty(codes.shape, dtype=dtype)
-    *lead, t, m = codes.shape
-    return codes.new_empty([*lead, t, m * 8 // bits], dtype=dtype)
+def _(operand, format, dtype):
+    o = _check_dequantize(operand, format)
+    if o.is_float:
+        return o.codes.new_empty(o.codes.shape, dtype=dtype)
+    *lead, t, m = o.codes.shape
+    return o.codes.new_empty([*lead, t, m * 8 // o.bits], dtype=dtype)
+
+
+def _check_dequantize(operand, format) -> Operand:
+    o = Operand.from_lists(operand, format)
+    _check_format(o.bits, o.axis, o.group, allow_fp=True)
+    _check_codebook_shape(o.codebook if o.codebook is not None else o.codes.new_zeros(0), o.bits)
+    if (o.out_val is None) != (o.out_idx is None):
+        raise ValueError("kvq.dequantize: out_val and out_idx come together (both or neither)")
+    return o
 
 
 # --------------------------------------------------------------------------- attention
-# The one definition of the attention ops' arguments. Both ops take the same arguments; callers
-# pass them by name (`kvq_ao.tensor.attention` builds them from two `QuantizedKV`), so this string
-# is the only place that fixes their order (the C++ kernel in kernels/cpu follows it).
-# Optional tensors are None when the format does not use them: scale/zero for a float body,
-# codebook for uniform levels, out_val/out_idx without outliers, rope_inv_freq for post-RoPE keys.
+# The attention ops' signature, built from the operand definition in `kvq_ao.format`: each of K
+# and V is one `Tensor?[]` (OPERAND_TENSORS, absent ones None) and one `int[]` (OPERAND_INTS), so
+# the per-operand fields and their order exist only there. Callers build the lists with
+# `attention_arguments` (or `Operand.lists()`) and pass everything by name.
 ATTENTION_SCHEMA = (
-    "(Tensor q, "
-    "Tensor k_codes, Tensor? k_scale, Tensor? k_zero, Tensor? k_codebook, Tensor? k_out_val, Tensor? k_out_idx, "
-    "Tensor v_codes, Tensor? v_scale, Tensor? v_zero, Tensor? v_codebook, Tensor? v_out_val, Tensor? v_out_idx, "
-    "Tensor side_k, Tensor side_v, Tensor side_pos, Tensor body_end, Tensor mask, Tensor? rope_inv_freq, "
-    "int body_start, float scaling, float rope_scale, int k_bits, int k_axis, int k_group, "
-    "int v_bits, int v_axis, int v_group, float softcap=0.0) -> Tensor"
+    "(Tensor q, Tensor?[] k, int[] k_format, Tensor?[] v, int[] v_format, Tensor side_pos, Tensor body_end, "
+    "Tensor mask, Tensor? rope_inv_freq, int body_start, float scaling, float rope_scale, float softcap=0.0) -> Tensor"
 )
 ATTENTION_FIELDS: tuple[str, ...] = tuple(re.findall(r"(\w+)(?:=[^,)]*)?[,)]", ATTENTION_SCHEMA.split("->")[0]))
-_OPTIONAL = tuple(re.findall(r"Tensor\? (\w+)", ATTENTION_SCHEMA))
+
+
+def attention_arguments(q: torch.Tensor, k: Operand, v: Operand, **rest) -> dict:
+    """The attention ops' named arguments for q over operands k and v (`rest`: the shared fields)."""
+    (k_tensors, k_format), (v_tensors, v_format) = k.lists(), v.lists()
+    return dict(q=q, k=k_tensors, k_format=k_format, v=v_tensors, v_format=v_format, **rest)
 
 
 def named_arguments(args: tuple, kwargs: dict) -> dict:
-    """The attention ops' arguments by name, however they were passed."""
+    """The attention ops' arguments by name, however they were passed, with K and V as `Operand`s."""
     named = dict(zip(ATTENTION_FIELDS, args), **kwargs)
     named.setdefault("softcap", 0.0)
+    for side in ("k", "v"):
+        named[side] = Operand.from_lists(named[side], named.pop(f"{side}_format"), name=side)
     return named
 
 
+def filled(o: Operand, like: torch.Tensor) -> Operand:
+    """The operand with every absent tensor as the empty tensor the reference kernels expect."""
+    empty = lambda dtype: like.new_zeros(0, dtype=dtype)  # noqa: E731
+    sparse = lambda dtype: o.codes.new_zeros([*o.codes.shape[:-1], 0], dtype=dtype)  # noqa: E731
+    return o.replace(
+        scale=o.scale if o.scale is not None else empty(torch.float16),
+        zero=o.zero if o.zero is not None else empty(torch.float16),
+        codebook=o.codebook if o.codebook is not None else empty(torch.float32),
+        out_val=o.out_val if o.out_val is not None else sparse(o.side.dtype),
+        out_idx=o.out_idx if o.out_idx is not None else sparse(torch.uint8),
+    )
+
+
 def reference_arguments(named: dict) -> dict:
-    """The arguments with every absent optional tensor as the empty tensor the reference kernels expect."""
+    """Named arguments (from `named_arguments`) as the reference kernels take them: absent tensors empty."""
     out = dict(named)
-    for name in _OPTIONAL:
-        if out[name] is None:
-            if name.endswith("out_val") or name.endswith("out_idx"):
-                codes = out[name[0] + "_codes"]
-                dtype = torch.uint8 if name.endswith("idx") else out["side_k"].dtype
-                out[name] = codes.new_zeros([*codes.shape[:-1], 0], dtype=dtype)
-            else:
-                out[name] = out["q"].new_zeros(0, dtype=torch.float16 if name[2:] in ("scale", "zero") else torch.float32)
+    out["k"], out["v"] = filled(named["k"], named["q"]), filled(named["v"], named["q"])
+    if out["rope_inv_freq"] is None:
+        out["rope_inv_freq"] = named["q"].new_zeros(0, dtype=torch.float32)
     return out
 
 
@@ -231,7 +253,7 @@ def _attention_fake(decode: bool):
 
     def fake(*args, **kwargs):
         named = _check_attention(named_arguments(args, kwargs), decode=decode)
-        return named["q"].new_empty([*named["q"].shape[:-1], named["side_v"].shape[-1]])
+        return named["q"].new_empty([*named["q"].shape[:-1], named["v"].side.shape[-1]])
 
     return fake
 
@@ -280,7 +302,7 @@ def _partial_fake(decode: bool):
     def fake(*args, **kwargs):
         named, _ = _partial_arguments(args, kwargs, decode)
         q = named["q"]
-        return q.new_empty([*q.shape[:-1], named["side_v"].shape[-1]], dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        return q.new_empty([*q.shape[:-1], named["v"].side.shape[-1]], dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     return fake
 
@@ -307,49 +329,49 @@ def _decode_attention_out_fake(*args, out: torch.Tensor, **kwargs) -> torch.Tens
     return out
 
 
-def _check_optional(a: dict, prefix: str) -> None:
-    bits = a[f"{prefix}_bits"]
-    codes, scale, zero = a[f"{prefix}_codes"], a[f"{prefix}_scale"], a[f"{prefix}_zero"]
-    if bits == 0:
-        if scale is not None or zero is not None or a[f"{prefix}_codebook"] is not None:
-            raise ValueError(f"kvq attention: a float {prefix} body (bits 0) takes no {prefix}_scale, {prefix}_zero or {prefix}_codebook")
-    elif scale is None or zero is None:
-        raise ValueError(f"kvq attention: {bits}-bit {prefix} codes need {prefix}_scale and {prefix}_zero")
-    elif codes.dtype != torch.uint8:
-        raise ValueError(f"kvq attention: {bits}-bit {prefix}_codes must be uint8, got {codes.dtype}")
-    val, idx = a[f"{prefix}_out_val"], a[f"{prefix}_out_idx"]
+def _check_operand(o: Operand, name: str) -> None:
+    _check_format(o.bits, o.axis, o.group, allow_fp=True)
+    for field in ("codes", "side"):
+        if not isinstance(getattr(o, field), torch.Tensor):
+            raise ValueError(f"kvq attention: {name}'s {field} must be a tensor, got {type(getattr(o, field)).__name__}")
+    if o.is_float:
+        if o.scale is not None or o.zero is not None or o.codebook is not None:
+            raise ValueError(f"kvq attention: a float {name} body takes no scale, zero or codebook (None in {name})")
+    elif o.scale is None or o.zero is None:
+        raise ValueError(f"kvq attention: {o.bits}-bit {name} codes need a scale and a zero")
+    elif o.codes.dtype != torch.uint8:
+        raise ValueError(f"kvq attention: {o.bits}-bit {name} codes must be uint8, got {o.codes.dtype}")
+    val, idx = o.out_val, o.out_idx
     if (val is None) != (idx is None):
-        raise ValueError(f"kvq attention: {prefix}_out_val and {prefix}_out_idx come together (both or neither)")
-    if val is not None and (val.shape != idx.shape or tuple(val.shape[:-1]) != tuple(codes.shape[:-1]) or idx.dtype != torch.uint8):
-        raise ValueError(f"kvq attention: {prefix} outliers must be [batch, heads, tokens, k] values and uint8 indices")
-    cb = a[f"{prefix}_codebook"]
+        raise ValueError(f"kvq attention: {name}'s out_val and out_idx come together (both or neither)")
+    if val is not None and (val.shape != idx.shape or tuple(val.shape[:-1]) != tuple(o.codes.shape[:-1]) or idx.dtype != torch.uint8):
+        raise ValueError(f"kvq attention: {name} outliers must be [batch, heads, tokens, k] values and uint8 indices")
+    cb = o.codebook
     if cb is not None and cb.numel() == 0:
-        raise ValueError(f"kvq attention: pass {prefix}_codebook=None for uniform levels, not an empty tensor")
-    _check_codebook_shape(cb if cb is not None else codes.new_zeros(0), bits)
+        raise ValueError(f"kvq attention: pass None as {name}'s codebook for uniform levels, not an empty tensor")
+    _check_codebook_shape(cb if cb is not None else o.codes.new_zeros(0), o.bits)
 
 
 def _check_attention(a: dict, decode: bool) -> dict:
-    """Validate named attention arguments (shared by real and fake kernels); returns them."""
-    q, k_codes, v_codes, side_k, side_v = a["q"], a["k_codes"], a["v_codes"], a["side_k"], a["side_v"]
+    """Validate named attention arguments (from `named_arguments`; shared by real and fake kernels); returns them."""
+    q, k, v = a["q"], a["k"], a["v"]
     side_pos, mask, rope, softcap = a["side_pos"], a["mask"], a["rope_inv_freq"], a["softcap"]
     if not softcap >= 0.0:  # also rejects NaN
         raise ValueError(f"kvq attention: softcap must be >= 0 (0 = no soft-capping), got {softcap}")
-    _check_format(a["k_bits"], a["k_axis"], a["k_group"], allow_fp=True)
-    _check_format(a["v_bits"], a["v_axis"], a["v_group"], allow_fp=True)
-    if q.dim() != 4 or k_codes.dim() != 4 or v_codes.dim() != 4:
+    _check_operand(k, "k")
+    _check_operand(v, "v")
+    if q.dim() != 4 or k.codes.dim() != 4 or v.codes.dim() != 4:
         raise ValueError("kvq attention: q and the cache must be 4-D [batch, heads, tokens, head_dim]")
     if decode and q.shape[2] != 1:
         raise ValueError(f"kvq.decode_attention takes one query token, got {q.shape[2]}: use kvq.chunk_attention")
-    _check_optional(a, "k")
-    _check_optional(a, "v")
-    if rope is not None and (rope.dim() != 1 or rope.numel() != side_k.shape[-1] // 2):
-        raise ValueError(f"kvq attention: rope_inv_freq must be None (post-RoPE keys) or head_dim/2 = {side_k.shape[-1] // 2} long")
-    hq, hkv = q.shape[1], k_codes.shape[1]
+    if rope is not None and (rope.dim() != 1 or rope.numel() != k.side.shape[-1] // 2):
+        raise ValueError(f"kvq attention: rope_inv_freq must be None (post-RoPE keys) or head_dim/2 = {k.side.shape[-1] // 2} long")
+    hq, hkv = q.shape[1], k.codes.shape[1]
     if hq % hkv:
         raise ValueError(f"kvq attention: {hq} query heads is not a multiple of {hkv} key/value heads")
-    if q.shape[-1] != side_k.shape[-1]:
-        raise ValueError(f"kvq attention: query head_dim {q.shape[-1]} != key head_dim {side_k.shape[-1]}")
-    if side_v.shape[:3] != side_k.shape[:3] or v_codes.shape[:3] != k_codes.shape[:3]:
+    if q.shape[-1] != k.side.shape[-1]:
+        raise ValueError(f"kvq attention: query head_dim {q.shape[-1]} != key head_dim {k.side.shape[-1]}")
+    if v.side.shape[:3] != k.side.shape[:3] or v.codes.shape[:3] != k.codes.shape[:3]:
         raise ValueError("kvq attention: keys and values must cover the same batch, heads and tokens")
     if mask.dtype == torch.int64 and not decode:  # key-position bounds (kvq_ao.masks)
         if list(mask.shape) != [q.shape[0], 1, q.shape[2], 2]:
@@ -358,10 +380,10 @@ def _check_attention(a: dict, decode: bool) -> dict:
     elif mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] not in (1, hq) or mask.shape[2] != q.shape[2]:
         raise ValueError("kvq attention: mask must be a 4-D bool tensor [batch, 1 or heads, q_len, kv_len]"
                          + ("" if decode else " or int64 key-position bounds [batch, 1, q_len, 2]"))  # fmt: skip
-    elif mask.shape[-1] != k_codes.shape[2]:
-        raise ValueError(f"kvq attention: mask covers {mask.shape[-1]} positions but the cache holds {k_codes.shape[2]}")
-    if side_pos.dim() != 1 or side_pos.shape[0] != side_k.shape[2] or side_pos.dtype != torch.int64:
-        raise ValueError("kvq attention: side_pos must be int64 [side_len] matching side_k's token axis")
+    elif mask.shape[-1] != k.codes.shape[2]:
+        raise ValueError(f"kvq attention: mask covers {mask.shape[-1]} positions but the cache holds {k.codes.shape[2]}")
+    if side_pos.dim() != 1 or side_pos.shape[0] != k.side.shape[2] or side_pos.dtype != torch.int64:
+        raise ValueError("kvq attention: side_pos must be int64 [side_len] matching the side entries' token axis")
     body_end = a["body_end"]
     per_query = not decode and body_end.dim() == 1 and body_end.shape[0] == q.shape[2]
     if body_end.dtype != torch.int64 or not (body_end.dim() == 0 or per_query):
@@ -420,18 +442,40 @@ def enable_inductor_fusion() -> None:
         _CACHE_ENTRY: implementation_digest(),
     }
 
-    register_decomposition(torch.ops.kvq.quantize.default)(reference.quantize)
-    register_decomposition(torch.ops.kvq.quantize_fixed.default)(reference.quantize_fixed)
-    register_decomposition(torch.ops.kvq.dequantize.default)(reference.dequantize)
-    register_decomposition(torch.ops.kvq.decode_attention.default)(_decode_attention_for_inductor)
+    for op, decomposition in decompositions("inductor").items():
+        register_decomposition(op)(decomposition)
     # Where the decomposition declines (a native kernel serves the device) the op reaches inductor's
     # lowering as itself; inductor refuses an implicit fallback for an op that has a decomposition,
     # so the fallback (an extern call of the op) is registered explicitly.
     from torch._inductor.lowering import make_fallback
 
     make_fallback(torch.ops.kvq.decode_attention.default, warn=False, override_decomp=True)
-    register_decomposition(torch.ops.kvq.chunk_attention.default)(_chunk_attention_for_inductor)
     _FUSION_ENABLED = True
+
+
+def decompositions(target: str) -> dict:
+    """The one table of the kvq ops' decompositions into their reference implementations.
+
+    target "inductor": what `enable_inductor_fusion` registers (decode attention declines where a
+    native kernel serves the device); "export": what exported programs lower to (core ATen on
+    every device; `kvq_ao.export.decoder` drops decode attention from it for runtimes with the kvq
+    kernel library)."""
+    if target not in ("inductor", "export"):
+        raise ValueError(f"target must be 'inductor' or 'export', got {target!r}")
+    inductor = target == "inductor"
+    kvq = torch.ops.kvq
+    return {
+        kvq.quantize.default: reference.quantize,
+        kvq.quantize_fixed.default: reference.quantize_fixed,
+        kvq.dequantize.default: reference.dequantize,
+        kvq.decode_attention.default: _decode_attention_for_inductor if inductor else _for_export,
+        kvq.chunk_attention.default: _chunk_attention_for_inductor if inductor else _for_export,
+    }
+
+
+def _for_export(*args, **kwargs):
+    """Either attention op in the form torch.export traces (core ATen)."""
+    return run_reference(args, kwargs, target="export")
 
 
 def _decode_attention_for_inductor(*args, **kwargs):
@@ -450,6 +494,6 @@ def _chunk_attention_for_inductor(*args, **kwargs):
     return run_reference(args, kwargs, target="inductor")
 
 
-__all__ = ["ATTENTION_FIELDS", "ATTENTION_SCHEMA", "PARTIAL_SCHEMA", "chunk_attention", "chunk_attention_partial",
-           "decode_attention", "decode_attention_partial", "dequantize",
+__all__ = ["ATTENTION_FIELDS", "ATTENTION_SCHEMA", "OPERAND_INTS", "OPERAND_TENSORS", "PARTIAL_SCHEMA", "attention_arguments", "chunk_attention", "chunk_attention_partial",
+           "decode_attention", "decode_attention_partial", "decompositions", "dequantize",
            "enable_inductor_fusion", "named_arguments", "quantize", "quantize_fixed", "reference_arguments", "run_reference"]  # fmt: skip

@@ -4,7 +4,7 @@ A wrapper tensor subclass (on torchao's `TorchAOBaseTensor`) whose logical value
 [B, H, T, D] float tensor the model would have cached, and whose storage is
 
 * `codes`, `scale`, `zero`: the packed body over the layer's T positions (see
-  `kvq_ao.quant.uniform`; `bits == 0` means `codes` is plain float and scale/zero are empty);
+  `kvq_ao.format`; a float format means `codes` is plain float and scale/zero are empty);
   `codebook` (empty: uniform levels), `out_val`/`out_idx` (exact outliers, k per vector);
 * `rope_inv_freq` (empty unless keys are stored before RoPE) and `rope_scale`: the rotation
   applied to each key at its own position when it is read;
@@ -25,39 +25,48 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from kvq_ao import ops as _ops  # noqa: F401  (registers torch.ops.kvq)
-from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao._torchao import TorchAOBaseTensor
-from kvq_ao.quant.uniform import AXIS_CHANNEL
+from kvq_ao.format import AXIS_CHANNEL, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float
+from kvq_ao.kernels import gpu as gpu_kernels
+from kvq_ao.ops import attention_arguments as op_arguments
 
 aten = torch.ops.aten
 
 
 class QuantizedKV(TorchAOBaseTensor):
-    tensor_data_names = ["codes", "scale", "zero", "codebook", "out_val", "out_idx", "side", "side_pos", "body_end", "rope_inv_freq"]
-    tensor_attribute_names = ["bits", "axis", "group", "body_start", "logical_dtype", "rope_scale"]
+    # The operand's fields come from their one definition (kvq_ao.format); torchao's flatten and
+    # unflatten pass the tensors, then the attributes, positionally in these orders.
+    tensor_data_names = [*OPERAND_TENSORS, "side_pos", "body_end", "rope_inv_freq"]
+    tensor_attribute_names = [*OPERAND_INTS, "body_start", "logical_dtype", "rope_scale"]
+    _DEFAULTS = {"rope_scale": 1.0}
 
-    def __new__(cls, codes, scale, zero, codebook, out_val, out_idx, side, side_pos, body_end, rope_inv_freq,
-                bits, axis, group, body_start, logical_dtype, rope_scale=1.0):  # fmt: skip
-        b, h, t = codes.shape[:3]
-        shape = (b, h, t, side.shape[-1])
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=logical_dtype, device=codes.device)
+    @classmethod
+    def _fields(cls, args: tuple, kwargs: dict) -> dict:
+        names = cls.tensor_data_names + cls.tensor_attribute_names
+        if len(args) > len(names):
+            raise TypeError(f"QuantizedKV takes at most {len(names)} fields, got {len(args)}")
+        fields = {**cls._DEFAULTS, **dict(zip(names, args)), **kwargs}
+        missing = [n for n in names if n not in fields]
+        if missing or len(fields) != len(names):
+            raise TypeError(f"QuantizedKV needs the fields {names}; missing {missing}, unexpected {sorted(set(fields) - set(names))}")
+        return fields
 
-    def __init__(self, codes, scale, zero, codebook, out_val, out_idx, side, side_pos, body_end, rope_inv_freq,
-                 bits, axis, group, body_start, logical_dtype, rope_scale=1.0):  # fmt: skip
-        self.codes, self.scale, self.zero = codes, scale, zero
-        self.codebook, self.out_val, self.out_idx = codebook, out_val, out_idx
-        self.side, self.side_pos, self.body_end = side, side_pos, body_end
-        self.rope_inv_freq, self.rope_scale = rope_inv_freq, rope_scale
-        self.bits, self.axis, self.group = bits, axis, group
-        self.body_start, self.logical_dtype = body_start, logical_dtype
+    def __new__(cls, *args, **kwargs):
+        f = cls._fields(args, kwargs)
+        b, h, t = f["codes"].shape[:3]
+        shape = (b, h, t, f["side"].shape[-1])
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=f["logical_dtype"], device=f["codes"].device)
+
+    def __init__(self, *args, **kwargs):
+        for name, value in self._fields(args, kwargs).items():
+            setattr(self, name, value)
 
     @property
     def pre_rope(self) -> bool:
         return self.rope_inv_freq.numel() > 0
 
     def __repr__(self) -> str:
-        fmt = "float" if self.bits == 0 else f"{self.bits}-bit {'channel' if self.axis == AXIS_CHANNEL else 'token'} g{self.group}"
+        fmt = "float" if is_float(self.bits) else f"{self.bits}-bit {'channel' if self.axis == AXIS_CHANNEL else 'token'} g{self.group}"
         if self.codebook.numel():
             fmt += " codebook"
         if self.out_val.shape[-1]:
@@ -69,8 +78,7 @@ class QuantizedKV(TorchAOBaseTensor):
     def body(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized body over all T positions as stored (side entries not applied, pre-RoPE keys not rotated)."""
         dtype = dtype or self.logical_dtype
-        return torch.ops.kvq.dequantize(self.codes, self.scale, self.zero, self.codebook, self.out_val, self.out_idx,
-                                        self.bits, self.axis, self.group, dtype)  # fmt: skip
+        return torch.ops.kvq.dequantize(*operand(self).lists(), dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The logical [B, H, T, D] tensor (post-RoPE keys): body where it is read, side entries elsewhere.
@@ -127,12 +135,12 @@ def _copy(func, types, args, kwargs):
     if dst.body_start or dst.pre_rope or dst.out_val.shape[-1]:
         raise ValueError("copy_ of a float tensor is only supported into a QuantizedKV without sink tokens, "
                          "outliers or pre-RoPE keys (write through the cache's update() instead)")  # fmt: skip
-    if dst.bits == 0:
+    if is_float(dst.bits):
         dst.codes.copy_(src)
     else:
         empty = src.new_zeros(0)
         op = gpu_kernels.quantize_op(src, dst.axis, dst.group, dst.scale.dtype)
-        codes, scale, zero, *_ = op(src, dst.bits, dst.axis, dst.group, dst.scale.dtype, dst.codebook, empty, empty, 0)
+        codes, scale, zero, *_ = op(src, operand(dst).lists()[1], dst.scale.dtype, dst.codebook, empty, empty, 0)
         dst.codes.copy_(codes)
         dst.scale.copy_(scale)
         dst.zero.copy_(zero)
@@ -148,30 +156,23 @@ def _present(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.numel() > 0 else None
 
 
-def operand(x: QuantizedKV, prefix: str) -> dict:
-    """One of K ("k") or V ("v") as the attention ops name their arguments; fields the format does
-    not use are None (a float body has no scale, uniform levels no codebook, ...)."""
+def operand(x: QuantizedKV) -> Operand:
+    """One of K or V as the attention ops take it; fields the format does not use are None (a float
+    body has no scale, uniform levels no codebook, ...)."""
     has_outliers = x.out_val.shape[-1] > 0
-    return {
-        f"{prefix}_codes": x.codes,
-        f"{prefix}_scale": _present(x.scale),
-        f"{prefix}_zero": _present(x.zero),
-        f"{prefix}_codebook": _present(x.codebook),
-        f"{prefix}_out_val": x.out_val if has_outliers else None,
-        f"{prefix}_out_idx": x.out_idx if has_outliers else None,
-        f"{prefix}_bits": x.bits,
-        f"{prefix}_axis": x.axis,
-        f"{prefix}_group": x.group,
-    }
+    return Operand(**{name: getattr(x, name) for name in OPERAND_TENSORS + OPERAND_INTS}).replace(
+        scale=_present(x.scale), zero=_present(x.zero), codebook=_present(x.codebook),
+        out_val=x.out_val if has_outliers else None, out_idx=x.out_idx if has_outliers else None,
+    )  # fmt: skip
 
 
 def attention_arguments(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, mask: torch.Tensor,
                         scaling: float, softcap: float = 0.0) -> dict:  # fmt: skip
     """The named arguments of the attention ops for `query` over a layer's quantized keys and values."""
-    return dict(
-        q=query, **operand(key, "k"), **operand(value, "v"), side_k=key.side, side_v=value.side,
-        side_pos=key.side_pos, body_end=key.body_end, mask=mask, rope_inv_freq=_present(key.rope_inv_freq),
-        body_start=key.body_start, scaling=float(scaling), rope_scale=float(key.rope_scale), softcap=float(softcap),
+    return op_arguments(
+        query, operand(key), operand(value), side_pos=key.side_pos, body_end=key.body_end, mask=mask,
+        rope_inv_freq=_present(key.rope_inv_freq), body_start=key.body_start, scaling=float(scaling),
+        rope_scale=float(key.rope_scale), softcap=float(softcap),
     )  # fmt: skip
 
 

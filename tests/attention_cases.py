@@ -5,20 +5,51 @@ import torch
 from hypothesis import strategies as st
 
 from kvq_ao import masks
-from kvq_ao.ops import ATTENTION_FIELDS, reference_arguments
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, Operand, format_ints
+from kvq_ao.kernels.reference import dequantize_operand
+from kvq_ao.ops import ATTENTION_FIELDS, attention_arguments, reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
-from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, fixed_range
+from kvq_ao.quant.uniform import fixed_range
+
+# A case is a dict of the attention ops' arguments by name with K and V as `Operand`s (the form
+# `kvq_ao.ops.named_arguments` gives); `op_args` turns it into what the ops take.
 
 
-def attend(named: dict) -> torch.Tensor:
-    """The attention op for the case's query length, called with the case's named arguments."""
-    op = torch.ops.kvq.decode_attention if named["q"].shape[2] == 1 else torch.ops.kvq.chunk_attention
-    return op(**named)
+def op_args(named: dict) -> dict:
+    """The case as the attention ops' named arguments (each operand as its two lists)."""
+    rest = {n: v for n, v in named.items() if n not in ("q", "k", "v")}
+    return attention_arguments(named["q"], named["k"], named["v"], **rest)
+
+
+def attend(named: dict, op=None) -> torch.Tensor:
+    """The attention op for the case's query length (or `op`), called with the case's arguments."""
+    op = op or (torch.ops.kvq.decode_attention if named["q"].shape[2] == 1 else torch.ops.kvq.chunk_attention)
+    return op(**op_args(named))
 
 
 def positional(named: dict) -> tuple:
     """The arguments in schema order (for opcheck and torch.compile'd lambdas)."""
-    return tuple(named[n] for n in ATTENTION_FIELDS)
+    args = op_args(named)
+    return tuple(args[n] for n in ATTENTION_FIELDS)
+
+
+def dequantize(dtype, *, codes, bits, axis, group, scale=None, zero=None, codebook=None, out_val=None, out_idx=None):
+    """`kvq.dequantize` of one body given by field name (an empty codebook or outlier slots count as absent)."""
+    body = Operand(codes=codes, scale=scale, zero=zero, codebook=codebook, out_val=out_val, out_idx=out_idx, side=None,
+                   bits=bits, axis=axis, group=group)  # fmt: skip
+    return torch.ops.kvq.dequantize(*body.lists(), dtype)
+
+
+def map_tensors(named: dict, fn) -> dict:
+    """The case with fn applied to every tensor, inside the operands too (e.g. fake tensors)."""
+    apply = lambda v: fn(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return {n: (v.replace(**{f: apply(x) for f, x in v.fields().items()}) if isinstance(v, Operand) else apply(v))
+            for n, v in named.items()}  # fmt: skip
+
+
+def with_operand(named: dict, which: str, /, **changes) -> dict:
+    """The case with fields of one operand ("k" or "v") replaced."""
+    return dict(named, **{which: named[which].replace(**changes)})
 
 
 FIXED = ONE_ROW  # the `group` of calibrated per-channel ranges: one scale/zero row for every position
@@ -37,15 +68,15 @@ def _fixed_ranges(x, bits, cb, outliers):
     return codes, row(scale), row(zero), out_val, out_idx, ONE_ROW
 
 
-def operand(x, prefix, bits, axis, group, codebook=False, outliers=0, dtype=torch.float32) -> dict:
-    """One of K ("k") or V ("v") of x [B, H, T, D] (float32) in a format, as the attention ops'
-    named arguments (bits 0: a float body; group FIXED with the channel axis: calibrated ranges).
+def operand(x, side, bits, axis, group, codebook=False, outliers=0, dtype=torch.float32) -> Operand:
+    """K or V of x [B, H, T, D] (float32) in a format with side entries `side`, as an attention
+    operand (bits 0: a float body; group FIXED with the channel axis: calibrated ranges).
     Outlier thresholds of +-1.5 make a few entries per vector outliers; model-dtype fields (a float
     body, outlier values) are in `dtype`."""
     fixed = group == FIXED and axis == AXIS_CHANNEL and bits
     group = 16 if group == FIXED and not fixed else group
     fields = dict(bits=bits, axis=axis, group=group, codes=x.to(dtype), scale=None, zero=None, codebook=None,
-                  out_val=None, out_idx=None)  # fmt: skip
+                  out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
     if bits:
         cb = nf_codebook(bits) if codebook and bits <= 4 else None
         h, d = x.shape[1], x.shape[-1]
@@ -55,12 +86,12 @@ def operand(x, prefix, bits, axis, group, codebook=False, outliers=0, dtype=torc
             codes, scale, zero, out_val, out_idx, fields["group"] = _fixed_ranges(x, bits, cb, outliers)
         else:
             codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
-                x, bits, axis, group, torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
+                x, format_ints(bits, axis, group), torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
             )
         fields.update(codes=codes, scale=scale, zero=zero, codebook=cb)
         if outliers:
             fields.update(out_val=out_val.to(dtype), out_idx=out_idx)
-    return {f"{prefix}_{name}": value for name, value in fields.items()}
+    return Operand(**fields)
 
 
 def attention_case(seed, tq, bits_k=4, bits_v=4, k_axis=AXIS_CHANNEL, v_axis=AXIS_TOKEN, hq=6, hkv=2, t=64, d=32, n_side=5,
@@ -79,11 +110,11 @@ def attention_case(seed, tq, bits_k=4, bits_v=4, k_axis=AXIS_CHANNEL, v_axis=AXI
     if head_mask:
         mask[:, 1, :, 5:9] = False
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)) if pre_rope else None
-    named = dict(q=q, side_k=side_k, side_v=side_v, side_pos=side_pos, body_end=torch.tensor(body_end), mask=mask,
+    named = dict(q=q, side_pos=side_pos, body_end=torch.tensor(body_end), mask=mask,
                  rope_inv_freq=inv_freq, body_start=body_start, scaling=d**-0.5, rope_scale=1.25 if pre_rope else 1.0,
                  softcap=softcap)  # fmt: skip
-    named.update(operand(k, "k", bits_k, k_axis, 16, codebook, outliers))
-    named.update(operand(v, "v", bits_v, v_axis, 16, codebook, outliers))
+    named["k"] = operand(k, side_k, bits_k, k_axis, 16, codebook, outliers)
+    named["v"] = operand(v, side_v, bits_v, v_axis, 16, codebook, outliers)
     return named
 
 
@@ -102,11 +133,9 @@ def reference_attention(named, position_offset: int = 0, with_lse: bool = False)
     position_offset shifts the RoPE positions (a shard of a longer sequence); with_lse also returns
     each query's log-sum-exp of its scaled scores [B, Hq, Tq] (-inf where it sees nothing)."""
     a = reference_arguments(named)
-    k = torch.ops.kvq.dequantize(a["k_codes"], a["k_scale"], a["k_zero"], a["k_codebook"], a["k_out_val"],
-                                 a["k_out_idx"], a["k_bits"], a["k_axis"], a["k_group"], torch.float64)  # fmt: skip
-    v = torch.ops.kvq.dequantize(a["v_codes"], a["v_scale"], a["v_zero"], a["v_codebook"], a["v_out_val"],
-                                 a["v_out_idx"], a["v_bits"], a["v_axis"], a["v_group"], torch.float64)  # fmt: skip
-    side_k, side_v, side_pos = a["side_k"].double(), a["side_v"].double(), a["side_pos"]
+    k = dequantize_operand(a["k"], torch.float64)
+    v = dequantize_operand(a["v"], torch.float64)
+    side_k, side_v, side_pos = a["k"].side.double(), a["v"].side.double(), a["side_pos"]
     t = k.shape[2]
     if a["rope_inv_freq"].numel():  # keys stored pre-RoPE: rotate every key at its own position
         k = _rotate64(k, torch.arange(t) + position_offset, a["rope_inv_freq"], a["rope_scale"])
@@ -150,14 +179,14 @@ def native_case(seed, *, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_T
     k = torch.randn(batch, hkv, t, d, generator=g) * 2
     v = torch.randn(batch, hkv, t, d, generator=g)
     named = {"q": torch.randn(batch, hq, 1, d, generator=g).to(dtype)}
-    named.update(operand(k, "k", *k_fmt, dtype=dtype))
-    named.update(operand(v, "v", *v_fmt, dtype=dtype))
     positions = {"empty": [], "some": [0, *range(body_end, min(length, t))], "full": list(range(t))}[side]
     n_side = max(len(positions), 1) + 1
     side_pos = torch.full((n_side,), -1, dtype=torch.int64)
     side_pos[: len(positions)] = torch.tensor(positions, dtype=torch.int64)
-    named["side_k"] = torch.randn(batch, hkv, n_side, d, generator=g).to(dtype)
-    named["side_v"] = torch.randn(batch, hkv, n_side, d, generator=g).to(dtype)
+    side_k = torch.randn(batch, hkv, n_side, d, generator=g)
+    side_v = torch.randn(batch, hkv, n_side, d, generator=g)
+    named["k"] = operand(k, side_k, *k_fmt, dtype=dtype)
+    named["v"] = operand(v, side_v, *v_fmt, dtype=dtype)
     named["side_pos"] = side_pos
     named["body_end"] = torch.tensor(body_end)
     pos = torch.arange(t)
@@ -218,20 +247,34 @@ def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(
     body_end = int(ends[0]) if per_query else max((length - residual) // 16 * 16, 0)
     side = [0] + list(range(max(body_end, 1), length)) if sink else list(range(body_end, length))
     side_pos = torch.tensor(side + [-1])  # one empty slot
-    named = dict(q=torch.randn(2, hq, tq, d, generator=g), side_k=torch.randn(2, hkv, len(side_pos), d, generator=g),
-                 side_v=torch.randn(2, hkv, len(side_pos), d, generator=g), side_pos=side_pos,
+    q = torch.randn(2, hq, tq, d, generator=g)
+    sides = {"k": torch.randn(2, hkv, len(side_pos), d, generator=g), "v": torch.randn(2, hkv, len(side_pos), d, generator=g)}
+    named = dict(q=q, side_pos=side_pos,
                  body_end=ends if per_query else torch.tensor(body_end), body_start=sink, scaling=d**-0.5, softcap=softcap,
                  rope_inv_freq=(1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)) if pre_rope else None,
                  rope_scale=1.25 if pre_rope else 1.0)  # fmt: skip
     for prefix, (bits, axis, codebook, outliers, *group), scale in (("k", k_fmt, 2.0), ("v", v_fmt, 1.0)):
         x = torch.randn(2, hkv, t, d, generator=g) * scale
-        named.update(operand(x, prefix, bits, axis, group[0] if group else 16, codebook,
-                             outliers if axis == AXIS_CHANNEL or bits else 0))  # fmt: skip
+        named[prefix] = operand(x, sides[prefix], bits, axis, group[0] if group else 16, codebook,
+                                outliers if axis == AXIS_CHANNEL or bits else 0)  # fmt: skip
     named["mask"] = bounds_for(2, torch.arange(length - tq, length), list(pad), window)
     return named
 
 
 def expected_streaming(named: dict) -> torch.Tensor:
     """The float64 reference of a streaming case (its bounds mask made dense)."""
-    dense = dict(named, mask=masks.dense(named["mask"], named["k_codes"].shape[2]))
+    dense = dict(named, mask=masks.dense(named["mask"], named["k"].codes.shape[2]))
     return reference_attention(dense)
+
+
+def quantize_case(seed, bits, axis, group, codebook, outliers, dtype=torch.float32, t=48):
+    """Arguments of kvq.quantize (scale dtype left out: x, format, codebook, lo, hi, k) for
+    outliers "none", "channel" (thresholds +-1.5) or "vector" (judged per vector)."""
+    from kvq_ao.quant.codebook import nf_codebook
+
+    x = (torch.randn(2, 3, t, 64, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+    lo = hi = torch.zeros(0)
+    if outliers == "channel":
+        lo, hi = -1.5 * torch.ones(3, 64), 1.5 * torch.ones(3, 64)
+    k = {"none": 0, "channel": 2, "vector": 2}[outliers]
+    return x, format_ints(bits, axis, group), nf_codebook(bits) if codebook else torch.zeros(0), lo, hi, k

@@ -40,3 +40,39 @@ def test_readme_is_short_and_keeps_the_two_setup_commands_ci_runs():
     assert len(commands) == 2 and commands[0].endswith("kvq demo")
     # CI makes its venv, then runs the README's test command
     assert commands[1].split(". .venv/bin/activate && ", 1)[1] in (ROOT / ".ci" / "run").read_text()
+
+
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")  # hex with letters and digits
+DIARY = re.compile(r"\bthis VM\b|\byesterday\b|\bthis morning\b|\bthis afternoon\b", re.IGNORECASE)
+
+
+def test_docs_are_reference_pages_without_dates_commit_hashes_or_diaries():
+    """What a page states is the current method and figures with their commands; when and in which
+    commit something was decided is git's record, not the page's."""
+    found = []
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for pattern in (DATE, HASH, DIARY):
+                for match in pattern.findall(line):
+                    found.append(f"{page.relative_to(ROOT)}:{number}: {match}")
+    assert not found, "\n".join(found)
+
+
+def test_results_hold_one_folder_per_benchmark_and_no_orphans():
+    """results/ holds folders only (one per benchmark or experiment), and every file in them is
+    named by a page, a benchmark or an experiment (directly, or as a companion of a named output:
+    `kvq tune --out x.json` also writes x.pareto.csv and x.pareto.png)."""
+    results = ROOT / "results"
+    assert not [p.name for p in results.iterdir() if p.is_file()]
+    sources = [*PAGES, *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.json"),
+               *(ROOT / "experiments").rglob("*.py"), *(ROOT / "kvq_ao").rglob("*.py")]  # fmt: skip
+    text = "\n".join(p.read_text(errors="ignore") for p in sources)
+    orphans = []
+    for path in results.rglob("*"):
+        if path.is_file():
+            rel = path.relative_to(ROOT)
+            companion = f"{rel.parent}/{path.name.split('.')[0]}."
+            if str(rel) not in text and companion not in text:
+                orphans.append(str(rel))
+    assert not orphans, orphans

@@ -25,6 +25,32 @@ def test_import_loads_no_heavy_dependency_and_prints_nothing():
     assert done.returncode == 0 and done.stdout == "" and done.stderr == ""
 
 
+def test_the_quickstart_import_prints_nothing():
+    """`from kvq_ao import KVQuantConfig, quantize_kv_` in a fresh interpreter: no warning of torch,
+    torchao or transformers reaches the user (torchao's import is silenced in kvq_ao._torchao)."""
+    done = subprocess.run([sys.executable, "-c", "from kvq_ao import KVQuantConfig, quantize_kv_"], capture_output=True,
+                          text=True, timeout=300, cwd="/")  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done.stderr
+
+
+def test_a_checkout_imports_its_kernels_and_export_without_the_install_mapping(tmp_path):
+    """kernels/ and export/ sit at the top of the repository and are installed as kvq_ao.kernels and
+    kvq_ao.export by pyproject's package-dir mapping. Found from the repository root without that
+    mapping (no editable finder, e.g. a wheel install shadowed by the checkout), the package finds
+    them beside itself instead of failing with "No module named 'kvq_ao.kernels'"."""
+    import site
+    from pathlib import Path
+
+    root = Path(kvq_ao.__file__).resolve().parents[1]
+    paths = [str(root), *site.getsitepackages()]
+    code = (f"import sys; sys.path[:0] = {paths!r}; import kvq_ao.kernels.reference, kvq_ao.export.decoder, kvq_ao; "
+            "print(kvq_ao.kernels.reference.__file__); print(kvq_ao.export.decoder.__file__)")  # fmt: skip
+    # -S: no site module, so no .pth file (the editable install's finder) is processed
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(root / "kernels" / "reference.py"), str(root / "export" / "decoder.py")]
+
+
 def test_public_names_load_no_optional_dependency_until_used():
     """Even every public name imported: the tuner's optuna/sklearn, the plot's matplotlib and the
     exporters' toolchains load only when tuning, plotting or exporting runs."""

@@ -54,9 +54,9 @@ def test_copy_between_quantized_tensors_and_from_float(tiny_model):
     other, _ = _filled_layer(tiny_model, tokens=70).keys_values()
     other.copy_(clone)
     assert torch.equal(other.dequantize(), keys.dequantize())
-    plain = QuantizedKV(keys.codes.clone(), keys.scale.clone(), keys.zero.clone(), keys.codebook, keys.out_val,
-                        keys.out_idx, keys.side.clone(), keys.side_pos.clone(), keys.body_end.clone(),
-                        keys.rope_inv_freq, keys.bits, keys.axis, keys.group, 0, keys.dtype)  # fmt: skip
+    fields = {n: getattr(keys, n) for n in QuantizedKV.tensor_data_names + QuantizedKV.tensor_attribute_names}
+    fields.update({n: fields[n].clone() for n in ("codes", "scale", "zero", "side", "side_pos", "body_end")})
+    plain = QuantizedKV(**dict(fields, body_start=0))
     x = torch.randn(plain.shape)
     plain.copy_(x)
     step = (x.amax(2) - x.amin(2)).max() / 15  # 4-bit per-channel groups of 16 over the whole range

@@ -25,6 +25,7 @@ import torch
 
 SOURCES = ("decode_attention.cpp", "quantize_fixed.cpp")
 HEADERS = ("attention_core.h",)  # the arithmetic, shared with the ExecuTorch kernel library
+GENERATED_HEADER = "kvq_format.h"  # operand field indices and format constants, from kvq_ao/format.py
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 _state: dict = {"loaded": False, "failed": None}
 
@@ -49,11 +50,25 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
+def generated_header() -> str:
+    """The C++ header generated from the operand definition (`kvq_ao.format.c_header`)."""
+    from kvq_ao.format import c_header
+
+    return c_header()
+
+
+def write_generated_header(directory: Path) -> None:
+    """Write `GENERATED_HEADER` into a build directory (its include path)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / GENERATED_HEADER).write_text(generated_header())
+
+
 def build_key() -> str:
-    """What the built library depends on: its sources, torch, the flags and the CPU."""
+    """What the built library depends on: its sources, the generated header, torch, the flags and the CPU."""
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update((Path(__file__).parent / name).read_bytes())
+    digest.update(generated_header().encode())
     digest.update(" ".join((torch.__version__, *CFLAGS, _cpu_identity())).encode())
     return digest.hexdigest()[:16]
 
@@ -104,12 +119,13 @@ def _compile(directory: Path, verbose: bool) -> None:
 
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
+    write_generated_header(directory)
     print(f"kvq_ao: building the native CPU kernels once for this machine into {directory} ...", file=sys.stderr, flush=True)
     cpp_extension.load(
         name="kvq_cpu",
         sources=[str(Path(__file__).parent / name) for name in SOURCES],
         extra_cflags=list(CFLAGS),
+        extra_include_paths=[str(directory)],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
@@ -117,4 +133,4 @@ def _compile(directory: Path, verbose: bool) -> None:
     )
 
 
-__all__ = ["build_directory", "build_key", "enabled", "is_loaded", "load", "SOURCES"]
+__all__ = ["GENERATED_HEADER", "build_directory", "build_key", "generated_header", "write_generated_header", "enabled", "is_loaded", "load", "SOURCES"]

@@ -44,6 +44,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kvq_format.h"  // generated from kvq_ao/format.py into the build directory
+
 // A profiling build (benchmarks/kernel_alone.py --perf) defines KVQ_PROFILED as noinline, so that the
 // steps of the tile loop show up in a profile as functions of their own; everywhere else it is empty.
 #ifndef KVQ_PROFILED
@@ -319,15 +321,26 @@ struct View {
   }
 };
 
-// The kernel's arguments, in the order of ATTENTION_SCHEMA (kvq_ao/ops.py).
+// One operand (K or V) as the kernel reads it: the fields of kvq_ao/format.py by name (make_args
+// fills them from the op's lists through the generated kvq_format.h indices).
+struct OperandArgs {
+  View codes;     // packed codes (or the values of a float body)
+  View scale;     // absent for a float body
+  View zero;      // absent for a float body
+  View codebook;  // absent for uniform levels
+  View out_val;   // exact outliers, absent without outlier slots
+  View out_idx;   // their channels (uint8)
+  View side;      // full-precision entries (sink, recent window)
+  int64_t bits = kvq_format::kFloatBits, axis = kvq_format::kAxisToken, group = 1;
+};
+
+// The kernel's arguments: the two operands and the fields they share (ATTENTION_SCHEMA, kvq_ao/ops.py).
 struct Args {
   View q;
-  View k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx;
-  View v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx;
-  View side_k, side_v, side_pos, body_end, mask, rope_inv_freq;
+  OperandArgs k, v;
+  View side_pos, body_end, mask, rope_inv_freq;
   int64_t body_start = 0;
   double scaling = 1.0, rope_scale = 1.0;
-  int64_t k_bits = 0, k_axis = 0, k_group = 1, v_bits = 0, v_axis = 0, v_group = 1;
   double softcap = 0.0;
   // Not in ATTENTION_SCHEMA: kvq::decode_attention_partial's shard start (body index 0 is this
   // sequence position for RoPE; masks and body bounds stay in the shard's indices).
@@ -381,26 +394,37 @@ View view_of(const std::optional<Tensor>& t) {
   return t.has_value() ? view_of(*t) : View{};
 }
 
-// The Args of one call, in the order of ATTENTION_SCHEMA: the one place both registration layers
-// (decode_attention.cpp, executorch_ops.cpp) turn their tensors into the kernel's arguments.
-template <class T, class O>
-Args make_args(const T& q, const T& k_codes, const O& k_scale, const O& k_zero, const O& k_codebook, const O& k_out_val,
-               const O& k_out_idx, const T& v_codes, const O& v_scale, const O& v_zero, const O& v_codebook,
-               const O& v_out_val, const O& v_out_idx, const T& side_k, const T& side_v, const T& side_pos,
+// One operand from an op's Tensor?[] and int[] arguments, by the indices kvq_format.h generates
+// from kvq_ao/format.py (the one place their order is written).
+template <class List, class Ints>
+OperandArgs operand_of(const char* name, const List& tensors, const Ints& format) {
+  check(static_cast<int64_t>(tensors.size()) == kvq_format::kTensorFields, name, " must list ", kvq_format::kTensorFields,
+        " tensors, got ", tensors.size());
+  check(static_cast<int64_t>(format.size()) == kvq_format::kIntFields, name, "_format must list ", kvq_format::kIntFields,
+        " ints, got ", format.size());
+  auto field = [&](int i) { return view_of(tensors[i]); };
+  OperandArgs o;
+  o.codes = field(kvq_format::CODES), o.scale = field(kvq_format::SCALE), o.zero = field(kvq_format::ZERO);
+  o.codebook = field(kvq_format::CODEBOOK), o.out_val = field(kvq_format::OUT_VAL), o.out_idx = field(kvq_format::OUT_IDX);
+  o.side = field(kvq_format::SIDE);
+  check(o.codes.present && o.side.present, name, " needs its codes and side tensors (got None)");
+  o.bits = format[kvq_format::BITS], o.axis = format[kvq_format::AXIS], o.group = format[kvq_format::GROUP];
+  return o;
+}
+
+// The Args of one call: the one place both registration layers (decode_attention.cpp,
+// executorch_ops.cpp) turn their tensors into the kernel's arguments.
+template <class T, class O, class List, class Ints>
+Args make_args(const T& q, const List& k, const Ints& k_format, const List& v, const Ints& v_format, const T& side_pos,
                const T& body_end, const T& mask, const O& rope_inv_freq, int64_t body_start, double scaling,
-               double rope_scale, int64_t k_bits, int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis,
-               int64_t v_group, double softcap) {
+               double rope_scale, double softcap) {
   Args a;
   a.q = view_of(q);
-  a.k_codes = view_of(k_codes), a.k_scale = view_of(k_scale), a.k_zero = view_of(k_zero);
-  a.k_codebook = view_of(k_codebook), a.k_out_val = view_of(k_out_val), a.k_out_idx = view_of(k_out_idx);
-  a.v_codes = view_of(v_codes), a.v_scale = view_of(v_scale), a.v_zero = view_of(v_zero);
-  a.v_codebook = view_of(v_codebook), a.v_out_val = view_of(v_out_val), a.v_out_idx = view_of(v_out_idx);
-  a.side_k = view_of(side_k), a.side_v = view_of(side_v), a.side_pos = view_of(side_pos);
-  a.body_end = view_of(body_end), a.mask = view_of(mask), a.rope_inv_freq = view_of(rope_inv_freq);
+  a.k = operand_of("k", k, k_format);
+  a.v = operand_of("v", v, v_format);
+  a.side_pos = view_of(side_pos), a.body_end = view_of(body_end), a.mask = view_of(mask);
+  a.rope_inv_freq = view_of(rope_inv_freq);
   a.body_start = body_start, a.scaling = scaling, a.rope_scale = rope_scale;
-  a.k_bits = k_bits, a.k_axis = k_axis, a.k_group = k_group;
-  a.v_bits = v_bits, a.v_axis = v_axis, a.v_group = v_group;
   a.softcap = softcap;
   return a;
 }
@@ -436,7 +460,9 @@ struct Partial;
 
 // One of K or V, as the kernel reads it.
 struct Operand {
-  int bits = 0, axis = 0, group = 1, dim = 0;  // bits 0: float body
+  int bits = 0, group = 1, dim = 0;            // code width (packed bodies), tokens or channels per group
+  bool is_float = true;                          // a float body: codes are the values (kvq_format::is_float)
+  bool per_channel = false;                      // channel axis: one scale/zero row per group of tokens
   int64_t row_bytes = 0;                         // packed bytes (or float elements) per token
   const char* codes_p = nullptr;
   const char* scale_p = nullptr;
@@ -474,7 +500,7 @@ struct Operand {
 
   // Tokens [t0, t0 + count) of (batch, head) `bh` as floats, row i at out + i * kRow.
   void tile(int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
-    if (bits == 0) {
+    if (is_float) {
       for (int i = 0; i < count; ++i)
         load_floats(codes_p + (bh * T + t0 + i) * dim * codes_size, codes_t, dim, out + i * kRow);
     } else {
@@ -548,10 +574,10 @@ struct Operand {
   }
 
   // Planes of a packed row (codes of channel i * P + j share byte j, or bytes j, P + j, 2P + j at 3 bits).
-  int planes() const { return bits == 8 ? 1 : bits == 3 ? 8 : 8 / bits; }
+  int planes() const { return kvq_format::codes_per_word(bits); }
 
   // Whether the fused paths below serve this operand: quantized, and a plane is whole 8-lane blocks.
-  bool fusable() const { return bits != 0 && (dim / planes()) % 8 == 0; }
+  bool fusable() const { return !is_float && (dim / planes()) % 8 == 0; }
 
   // Per-channel groups: tmp.scale/tmp.zero hold scale row `meta_row` ([batch * heads * T / group]).
   // Returns whether it had to load them (the rows a caller derives from them are then stale too).
@@ -762,10 +788,10 @@ struct Operand {
   template <typename U>
   void tile_with(U unpack_row, int64_t bh, int64_t T, int64_t t0, int count, float* out, Scratch& tmp) const {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
-    const int groups = axis == 1 ? 0 : dim / group;
-    if (axis == 0) token_meta(bh, T, t0, count, tmp);
+    const int groups = per_channel ? 0 : dim / group;
+    if (!per_channel) token_meta(bh, T, t0, count, tmp);
     for (int i = 0; i < count; ++i) {
-      if (axis == 1) {  // per-channel groups of `group` tokens: one scale/zero row [dim] per group
+      if (per_channel) {  // per-channel groups of `group` tokens: one scale/zero row [dim] per group
         load_scale_row(bh * (T / group) + (t0 + i) / group, tmp);
       } else {  // spread the token's group scales over its channels
         for (int g = 0; g < groups; ++g) {
@@ -802,7 +828,7 @@ struct Operand {
       for (; c + 8 <= dim; c += 8) emit<8, BITS, CB, SCALED>(bytesv<8>(src + c), out + c, at(sc, c), at(zc, c));
       for (; c < dim; ++c) out[c] = SCALED ? level1(src[c]) * sc[c] + zc[c] : level1(src[c]);
     } else {
-      constexpr int planes = BITS == 3 ? 8 : 8 / BITS;
+      constexpr int planes = kvq_format::codes_per_word(BITS);
       constexpr int mask = (1 << BITS) - 1;
       const int P = dim / planes;
       auto words = [&](auto n_c, int j) {
@@ -828,38 +854,42 @@ struct Operand {
   }
 };
 
-inline Operand make_operand(const char* name, const View& codes, const View& scale, const View& zero, const View& codebook,
-                            const View& out_val, const View& out_idx, int64_t bits, int64_t axis, int64_t group, int64_t dim,
-                            int64_t B, int64_t H, int64_t T) {
+inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim, int64_t B, int64_t H, int64_t T) {
+  using namespace kvq_format;
+  const View &codes = in.codes, &scale = in.scale, &zero = in.zero, &codebook = in.codebook;
+  const View &out_val = in.out_val, &out_idx = in.out_idx;
+  const int64_t bits = in.bits, axis = in.axis;
+  int64_t group = in.group;
   Operand o;
   o.bits = static_cast<int>(bits);
-  o.axis = static_cast<int>(axis);
+  o.is_float = kvq_format::is_float(bits);
+  o.per_channel = axis == kAxisChannel;
   o.dim = static_cast<int>(dim);
-  check(bits == 0 || bits == 2 || bits == 3 || bits == 4 || bits == 8, name, " bits must be 0, 2, 3, 4 or 8, got ", bits);
-  check(axis == 0 || axis == 1, name, " axis must be 0 (token) or 1 (channel), got ", axis);
-  check(group > 0 || (group == 0 && axis == 1), name, " group must be positive (or 0 with the channel axis: one scale/zero row"
-        " for every position), got ", group);
-  // group 0 (calibrated key ranges): one per-channel group spanning the whole body
-  if (group == 0) group = T > 0 ? T : 1;
+  check(o.is_float || is_packed_bits(bits), name, " bits must be one of ", kPackedBitsText, " or ", kFloatBits, " (float), got ", bits);
+  check(axis == kAxisToken || axis == kAxisChannel, name, " axis must be ", kAxisToken, " (token) or ", kAxisChannel,
+        " (channel), got ", axis);
+  check(group > 0 || is_one_row(axis, group), name, " group must be positive (or ", kOneRow, " with the channel axis: one "
+        "scale/zero row for every position), got ", group);
+  // calibrated key ranges: one per-channel group spanning the whole body
+  if (is_one_row(axis, group)) group = T > 0 ? T : 1;
   o.group = static_cast<int>(group);
   check(dim > 0 && dim <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", dim);
   check(codes.dim == 4 && codes.size(0) == B && codes.size(1) == H && codes.size(2) == T,
-        name, "_codes must be [", B, ", ", H, ", ", T, ", bytes], got ", codes.shape());
-  if (bits == 0) {
+        name, " codes must be [", B, ", ", H, ", ", T, ", bytes], got ", codes.shape());
+  if (o.is_float) {
     check(is_float(codes.dtype) && codes.size(3) == dim, "a float ", name, " body must be floating point [batch, heads, tokens, ",
           dim, "], got ", codes.shape(), " ", dtype_name(codes.dtype));
     o.row_bytes = dim;
   } else {
-    const int planes = bits == 3 ? 8 : 8 / static_cast<int>(bits);
-    const int bytes_per_word = bits == 3 ? 3 : 1;
+    const int planes = codes_per_word(bits);
     check(dim % planes == 0, bits, "-bit ", name, " codes need head_dim a multiple of ", planes, ", got ", dim);
-    o.row_bytes = dim / planes * bytes_per_word;
+    o.row_bytes = packed_row_bytes(dim, bits);
     check(codes.dtype == DType::Byte && codes.size(3) == o.row_bytes, bits, "-bit ", name, "_codes must be uint8 [..., ",
           o.row_bytes, "], got ", dtype_name(codes.dtype), " ", codes.shape());
-    check(scale.present && zero.present, bits, "-bit ", name, " codes need ", name, "_scale and ", name, "_zero");
-    check(axis == 1 ? T % group == 0 : dim % group == 0, name, " group ", group,
-          axis == 1 ? " does not divide the cache length " : " does not divide head_dim ", axis == 1 ? T : dim);
-    const int64_t meta[4] = {B, H, axis == 1 ? T / group : T, axis == 1 ? dim : dim / group};
+    check(scale.present && zero.present, bits, "-bit ", name, " codes need a scale and a zero");
+    check(o.per_channel ? T % group == 0 : dim % group == 0, name, " group ", group,
+          o.per_channel ? " does not divide the cache length " : " does not divide head_dim ", o.per_channel ? T : dim);
+    const int64_t meta[4] = {B, H, o.per_channel ? T / group : T, o.per_channel ? dim : dim / group};
     auto is_meta = [&](const View& v) {
       return v.dim == 4 && v.sizes[0] == meta[0] && v.sizes[1] == meta[1] && v.sizes[2] == meta[2] && v.sizes[3] == meta[3];
     };
@@ -878,7 +908,7 @@ inline Operand make_operand(const char* name, const View& codes, const View& sca
     o.scale_size = dtype_size(scale.dtype);
     o.zero_size = dtype_size(zero.dtype);
   }
-  check(out_val.present == out_idx.present, name, "_out_val and ", name, "_out_idx come together");
+  check(out_val.present == out_idx.present, name, "'s out_val and out_idx come together");
   if (out_val.present) {
     bool same = out_val.dim == 4 && out_idx.dim == 4;
     for (int i = 0; same && i < 4; ++i) same = out_val.sizes[i] == out_idx.sizes[i];
@@ -886,7 +916,7 @@ inline Operand make_operand(const char* name, const View& codes, const View& sca
               out_val.size(2) == T && out_val.size(3) <= dim,
           name, " outliers must be [", B, ", ", H, ", ", T, ", k] float values and uint8 indices, got ", out_val.shape(), " and ",
           out_idx.shape(), " ", dtype_name(out_idx.dtype));
-    check(dim < 255, "outlier slots need head_dim < 255 (uint8 channel indices, 255 = empty), got ", dim);
+    check(dim <= kMaxOutlierHeadDim, "outlier slots need head_dim <= ", kMaxOutlierHeadDim, " (uint8 channel indices, 255 = empty), got ", dim);
     o.n_out = static_cast<int>(out_val.size(3));
     o.out_val_p = out_val.bytes();
     o.out_val_t = out_val.dtype;
@@ -1272,10 +1302,10 @@ void Operand::fused_values(Partial* parts, const float* correction, const float*
 
 // Output sizes [B, Hq, Dv] of a valid call, read before running it (for allocating `out`).
 inline void output_sizes(const Args& a, int64_t* sizes) {
-  check(a.q.dim == 4 && a.side_v.dim == 4, "q and side_v must be 4-D, got ", a.q.shape(), " and ", a.side_v.shape());
+  check(a.q.dim == 4 && a.v.side.dim == 4, "q and v's side must be 4-D, got ", a.q.shape(), " and ", a.v.side.shape());
   sizes[0] = a.q.size(0);
   sizes[1] = a.q.size(1);
-  sizes[2] = a.side_v.size(3);
+  sizes[2] = a.v.side.size(3);
 }
 
 // One query token attending over one layer's quantized cache: out [B, Hq, Dv] float32. Checks
@@ -1290,22 +1320,20 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   check(q.dtype == DType::Float, "q must be float32 here (the PyTorch layer converts it), got ", dtype_name(q.dtype));
   check(a.softcap >= 0.0, "softcap must be >= 0 (0 = no soft-capping), got ", a.softcap);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3);
-  check(a.k_codes.dim == 4 && a.v_codes.dim == 4, "the cache must be 4-D [batch, heads, tokens, bytes]");
-  const int64_t Hkv = a.k_codes.size(1), T = a.k_codes.size(2);
+  check(a.k.codes.dim == 4 && a.v.codes.dim == 4, "the cache must be 4-D [batch, heads, tokens, bytes]");
+  const int64_t Hkv = a.k.codes.size(1), T = a.k.codes.size(2);
   check(Hkv > 0 && Hq % Hkv == 0, Hq, " query heads is not a multiple of ", Hkv, " key/value heads");
   const int64_t n_heads = Hq / Hkv;
   check(n_heads <= kMaxGroupHeads, "at most 64 query heads per kv head, got ", n_heads);
-  const View &side_k = a.side_k, &side_v = a.side_v;
+  const View &side_k = a.k.side, &side_v = a.v.side;
   check(side_k.dim == 4 && side_v.dim == 4 && side_k.size(0) == B && side_k.size(1) == Hkv && side_k.size(3) == D &&
             side_v.size(0) == B && side_v.size(1) == Hkv && side_v.size(2) == side_k.size(2) && is_float(side_k.dtype) &&
             is_float(side_v.dtype),
         "side_k [", B, ", ", Hkv, ", S, ", D, "] and side_v [", B, ", ", Hkv, ", S, Dv] float expected, got ", side_k.shape(), " and ",
         side_v.shape());
   const int64_t Dv = side_v.size(3), S = side_k.size(2);
-  const Operand K = make_operand("k", a.k_codes, a.k_scale, a.k_zero, a.k_codebook, a.k_out_val, a.k_out_idx, a.k_bits, a.k_axis,
-                                 a.k_group, D, B, Hkv, T);
-  const Operand V = make_operand("v", a.v_codes, a.v_scale, a.v_zero, a.v_codebook, a.v_out_val, a.v_out_idx, a.v_bits, a.v_axis,
-                                 a.v_group, Dv, B, Hkv, T);
+  const Operand K = make_operand("k", a.k, D, B, Hkv, T);
+  const Operand V = make_operand("v", a.v, Dv, B, Hkv, T);
   const View& mask = a.mask;
   check(mask.dtype == DType::Bool && mask.dim == 4 && mask.size(0) == B && (mask.size(1) == 1 || mask.size(1) == Hq) &&
             mask.size(2) == 1 && mask.size(3) == T,
@@ -1344,9 +1372,9 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   const float scale_f = scaling, softcap_f = softcap, rope_f = static_cast<float>(a.rope_scale);
   const int half = static_cast<int>(D / 2);
   const int nh = static_cast<int>(n_heads), dk = static_cast<int>(D), dv = static_cast<int>(Dv);
-  const bool direct_k = K.bits != 0 && K.axis == 1 && !pre_rope;
-  const bool rope_k = K.bits != 0 && K.axis == 1 && pre_rope && K.rope_fusable();
-  const bool direct_v = V.bits != 0 && V.axis == 0 && V.group % 8 == 0;
+  const bool direct_k = !K.is_float && K.per_channel && !pre_rope;
+  const bool rope_k = !K.is_float && K.per_channel && pre_rope && K.rope_fusable();
+  const bool direct_v = !V.is_float && !V.per_channel && V.group % 8 == 0;
   const bool fused_v = direct_v && V.fusable();
 
   parallel_for(n_chunks, [&](int64_t begin, int64_t end) {

@@ -29,27 +29,30 @@ class Keep {
   std::deque<std::optional<at::Tensor>> optional_;
 };
 
+using TensorList = c10::List<std::optional<at::Tensor>>;
+
+// Contiguous copies of an operand's tensors (None stays None), kept alive for the call.
+std::vector<std::optional<at::Tensor>> contiguous(Keep& keep, const TensorList& list) {
+  std::vector<std::optional<at::Tensor>> out;
+  out.reserve(list.size());
+  for (size_t i = 0; i < list.size(); ++i) out.push_back(keep(static_cast<std::optional<at::Tensor>>(list.get(i))));
+  return out;
+}
+
 // The kernel on ATen tensors: out [B, Hq, 1, Dv] float32 and, when `lse` is given, the rows'
-// log-sum-exp [B, Hq, 1] float32 written into it.
-at::Tensor run(
-    const at::Tensor& q,
-    const at::Tensor& k_codes, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,
-    const std::optional<at::Tensor>& k_codebook, const std::optional<at::Tensor>& k_out_val, const std::optional<at::Tensor>& k_out_idx,
-    const at::Tensor& v_codes, const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_zero,
-    const std::optional<at::Tensor>& v_codebook, const std::optional<at::Tensor>& v_out_val, const std::optional<at::Tensor>& v_out_idx,
-    const at::Tensor& side_k, const at::Tensor& side_v, const at::Tensor& side_pos, const at::Tensor& body_end,
-    const at::Tensor& mask, const std::optional<at::Tensor>& rope_inv_freq,
-    int64_t body_start, double scaling, double rope_scale,
-    int64_t k_bits, int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis, int64_t v_group, double softcap,
-    int64_t position_offset, at::Tensor* lse) {
+// log-sum-exp [B, Hq, 1] float32 written into it. The arguments are ATTENTION_SCHEMA's
+// (kvq_ao/ops.py); each operand's lists are read by kvq_format.h's indices.
+at::Tensor run(const at::Tensor& q, const TensorList& k, at::IntArrayRef k_format, const TensorList& v,
+               at::IntArrayRef v_format, const at::Tensor& side_pos, const at::Tensor& body_end, const at::Tensor& mask,
+               const std::optional<at::Tensor>& rope_inv_freq, int64_t body_start, double scaling, double rope_scale,
+               double softcap, int64_t position_offset, at::Tensor* lse) {
   TORCH_CHECK_VALUE(q.is_floating_point(), "kvq.decode_attention: q must be floating point, got ", q.scalar_type());
   TORCH_CHECK_VALUE(position_offset >= 0, "kvq partial attention: position_offset must be >= 0, got ", position_offset);
   Keep c;
   try {
-    kvq_core::Args a = kvq_core::make_args(
-        c(q.to(at::kFloat)), c(k_codes), c(k_scale), c(k_zero), c(k_codebook), c(k_out_val), c(k_out_idx), c(v_codes),
-        c(v_scale), c(v_zero), c(v_codebook), c(v_out_val), c(v_out_idx), c(side_k), c(side_v), c(side_pos), c(body_end),
-        mask, c(rope_inv_freq), body_start, scaling, rope_scale, k_bits, k_axis, k_group, v_bits, v_axis, v_group, softcap);
+    const auto k_list = contiguous(c, k), v_list = contiguous(c, v);
+    kvq_core::Args a = kvq_core::make_args(c(q.to(at::kFloat)), k_list, k_format, v_list, v_format, c(side_pos), c(body_end),
+                                           mask, c(rope_inv_freq), body_start, scaling, rope_scale, softcap);
     a.position_offset = position_offset;
     int64_t sizes[3];
     kvq_core::output_sizes(a, sizes);
@@ -64,20 +67,12 @@ at::Tensor run(
   }
 }
 
-#define KVQ_ATTENTION_PARAMS                                                                                                  \
-  const at::Tensor &q, const at::Tensor &k_codes, const std::optional<at::Tensor>&k_scale,                                    \
-      const std::optional<at::Tensor>&k_zero, const std::optional<at::Tensor>&k_codebook,                                     \
-      const std::optional<at::Tensor>&k_out_val, const std::optional<at::Tensor>&k_out_idx, const at::Tensor &v_codes,        \
-      const std::optional<at::Tensor>&v_scale, const std::optional<at::Tensor>&v_zero,                                        \
-      const std::optional<at::Tensor>&v_codebook, const std::optional<at::Tensor>&v_out_val,                                  \
-      const std::optional<at::Tensor>&v_out_idx, const at::Tensor &side_k, const at::Tensor &side_v,                          \
-      const at::Tensor &side_pos, const at::Tensor &body_end, const at::Tensor &mask,                                         \
-      const std::optional<at::Tensor>&rope_inv_freq, int64_t body_start, double scaling, double rope_scale, int64_t k_bits,   \
-      int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis, int64_t v_group, double softcap
-#define KVQ_ATTENTION_ARGS                                                                                                    \
-  q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx,  \
-      side_k, side_v, side_pos, body_end, mask, rope_inv_freq, body_start, scaling, rope_scale, k_bits, k_axis, k_group,      \
-      v_bits, v_axis, v_group, softcap
+#define KVQ_ATTENTION_PARAMS                                                                                         \
+  const at::Tensor &q, const TensorList &k, at::IntArrayRef k_format, const TensorList &v, at::IntArrayRef v_format, \
+      const at::Tensor &side_pos, const at::Tensor &body_end, const at::Tensor &mask,                                \
+      const std::optional<at::Tensor>&rope_inv_freq, int64_t body_start, double scaling, double rope_scale, double softcap
+#define KVQ_ATTENTION_ARGS \
+  q, k, k_format, v, v_format, side_pos, body_end, mask, rope_inv_freq, body_start, scaling, rope_scale, softcap
 
 at::Tensor decode_attention(KVQ_ATTENTION_PARAMS) {
   return run(KVQ_ATTENTION_ARGS, 0, nullptr).to(q.scalar_type());

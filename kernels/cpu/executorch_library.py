@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvq_ao.kernels.cpu import CFLAGS, HEADERS, _cpu_identity, enabled
+from kvq_ao.kernels.cpu import CFLAGS, HEADERS, _cpu_identity, enabled, generated_header, write_generated_header
 
 SOURCE = "executorch_ops.cpp"
 LIBRARY = "libkvq_executorch.so"
@@ -51,6 +51,7 @@ def build_key() -> str:
     here = Path(__file__).parent
     for name in (SOURCE, *HEADERS):
         digest.update((here / name).read_bytes())
+    digest.update(generated_header().encode())
     digest.update(" ".join((_executorch_version(), *CFLAGS, _cpu_identity())).encode())
     return digest.hexdigest()[:16]
 
@@ -73,11 +74,11 @@ def build(verbose: bool = False) -> Path:
     include, lib = root / "include", root / "lib"
     if not (include / "executorch" / "runtime" / "kernel" / "operator_registry.h").exists() or not (lib / "libexecutorch.so").exists():
         raise KernelLibraryError(f"the executorch wheel at {root} ships no kernel headers or libexecutorch.so (needed to build custom kernels)")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    write_generated_header(path.parent)
     partial = path.with_name(f"{LIBRARY}.{os.getpid()}.partial")  # one per builder: concurrent builds do not clobber
     command = [
         compiler, *CFLAGS, "-std=c++17", "-fPIC", "-shared",
-        f"-I{include}", f"-I{include / 'executorch/runtime/core/portable_type/c10'}",
+        f"-I{include}", f"-I{include / 'executorch/runtime/core/portable_type/c10'}", f"-I{path.parent}",
         "-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_EVENT_TRACER_ENABLED",
         str(Path(__file__).parent / SOURCE), f"-L{lib}", "-lexecutorch", f"-Wl,-rpath,{lib}", "-o", str(partial),
     ]  # fmt: skip

@@ -13,25 +13,21 @@
 namespace kvq_executorch {
 namespace {
 
+using executorch::aten::ArrayRef;
 using executorch::aten::ScalarType;
 using executorch::aten::Tensor;
 using executorch::runtime::KernelRuntimeContext;
 
+// ATTENTION_SCHEMA's arguments (kvq_ao/ops.py) then `out`; each operand's lists are read by
+// kvq_format.h's indices.
 Tensor& decode_attention_out(
-    KernelRuntimeContext& ctx, const Tensor& q,
-    const Tensor& k_codes, std::optional<Tensor> k_scale, std::optional<Tensor> k_zero, std::optional<Tensor> k_codebook,
-    std::optional<Tensor> k_out_val, std::optional<Tensor> k_out_idx,
-    const Tensor& v_codes, std::optional<Tensor> v_scale, std::optional<Tensor> v_zero, std::optional<Tensor> v_codebook,
-    std::optional<Tensor> v_out_val, std::optional<Tensor> v_out_idx,
-    const Tensor& side_k, const Tensor& side_v, const Tensor& side_pos, const Tensor& body_end, const Tensor& mask,
-    std::optional<Tensor> rope_inv_freq, int64_t body_start, double scaling, double rope_scale,
-    int64_t k_bits, int64_t k_axis, int64_t k_group, int64_t v_bits, int64_t v_axis, int64_t v_group, double softcap,
-    Tensor& out) {
+    KernelRuntimeContext& ctx, const Tensor& q, ArrayRef<std::optional<Tensor>> k, ArrayRef<int64_t> k_format,
+    ArrayRef<std::optional<Tensor>> v, ArrayRef<int64_t> v_format, const Tensor& side_pos, const Tensor& body_end,
+    const Tensor& mask, std::optional<Tensor> rope_inv_freq, int64_t body_start, double scaling, double rope_scale,
+    double softcap, Tensor& out) {
   try {
-    kvq_core::Args a = kvq_core::make_args(q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, v_codes, v_scale,
-                                           v_zero, v_codebook, v_out_val, v_out_idx, side_k, side_v, side_pos, body_end,
-                                           mask, rope_inv_freq, body_start, scaling, rope_scale, k_bits, k_axis, k_group,
-                                           v_bits, v_axis, v_group, softcap);
+    kvq_core::Args a = kvq_core::make_args(q, k, k_format, v, v_format, side_pos, body_end, mask, rope_inv_freq, body_start,
+                                           scaling, rope_scale, softcap);
     int64_t sizes[3];
     kvq_core::output_sizes(a, sizes);
     kvq_core::check(out.scalar_type() == ScalarType::Float && out.dim() == 4 && out.size(0) == sizes[0] && out.size(1) == sizes[1] &&

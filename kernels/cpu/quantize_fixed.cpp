@@ -23,13 +23,15 @@
 #include <tuple>
 #include <vector>
 
+#include "kvq_format.h"  // generated from kvq_ao/format.py into the build directory
+
 namespace kvq_cpu {
 namespace {
 
-constexpr uint8_t kEmptySlot = 255;  // kvq_ao.quant.outliers.EMPTY_SLOT
+using kvq_format::kEmptySlot;  // the index of an unused outlier slot (kvq_ao/format.py)
 constexpr int kMaxDim = 256;
 
-int packed_bytes(int64_t dim, int64_t bits) { return bits == 3 ? static_cast<int>(dim / 8 * 3) : static_cast<int>(dim * bits / 8); }
+int packed_bytes(int64_t dim, int64_t bits) { return static_cast<int>(kvq_format::packed_row_bytes(dim, bits)); }
 
 void pack(const uint8_t* code, int dim, int bits, uint8_t* out) {
   if (bits == 8) {
@@ -111,19 +113,19 @@ int64_t quantize_rows(const T* x, int64_t rows, int64_t tokens, int64_t heads, i
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fixed(
     const at::Tensor& x, int64_t bits, const at::Tensor& zero, const at::Tensor& scale, const at::Tensor& codebook,
     const at::Tensor& lo, const at::Tensor& hi, int64_t n_outliers) {
-  TORCH_CHECK_VALUE(bits == 2 || bits == 3 || bits == 4 || bits == 8, "kvq: bits must be one of (2, 3, 4, 8), got ", bits);
+  TORCH_CHECK_VALUE(kvq_format::is_packed_bits(bits), "kvq: bits must be one of ", kvq_format::kPackedBitsText, ", got ", bits);
   TORCH_CHECK_VALUE(x.dim() == 4, "kvq: quantize_fixed takes x as [batch, heads, tokens, head_dim], got ", x.sizes());
   TORCH_CHECK_VALUE(x.is_floating_point(), "kvq: quantize_fixed takes floating-point x, got ", x.scalar_type());
   const int64_t heads = x.size(1), tokens = x.size(2), dim = x.size(3);
-  const int64_t planes = bits == 3 ? 8 : 8 / bits;
+  const int64_t planes = kvq_format::codes_per_word(bits);
   TORCH_CHECK_VALUE(dim % planes == 0 && dim <= kMaxDim, "kvq: ", bits, "-bit codes need head_dim a multiple of ", planes,
                     " and at most ", kMaxDim, ", got ", dim);
   const std::pair<const char*, const at::Tensor*> ranges[4] = {{"zero", &zero}, {"scale", &scale}, {"lo", &lo}, {"hi", &hi}};
   for (const auto& [name, t] : ranges)
     TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == heads && t->size(1) == dim, "kvq: fixed ranges need ", name,
                       " as [heads, head_dim] = [", heads, ", ", dim, "], got ", t->sizes());
-  TORCH_CHECK_VALUE(n_outliers >= 0 && n_outliers <= dim && (n_outliers == 0 || dim < 255), "kvq: n_outliers must be in [0, head_dim=",
-                    dim, "] with head_dim < 255, got ", n_outliers);
+  TORCH_CHECK_VALUE(n_outliers >= 0 && n_outliers <= dim && (n_outliers == 0 || dim <= kvq_format::kMaxOutlierHeadDim), "kvq: n_outliers must be in [0, head_dim=",
+                    dim, "] with head_dim <= ", kvq_format::kMaxOutlierHeadDim, ", got ", n_outliers);
   TORCH_CHECK_VALUE(codebook.numel() == 0 || (bits <= 4 && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << bits)),
                     "kvq: a ", bits, "-bit codebook must hold ", (int64_t{1} << bits), " levels, got ", codebook.sizes());
   auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };

@@ -27,6 +27,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvq_ao import format as fmt
+
+# The format constants the kernels compare against, from their one definition (kvq_ao.format);
+# tl.constexpr, since a jit function may read only constexpr globals on a GPU.
+FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
+AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
+ONE_ROW = tl.constexpr(fmt.ONE_ROW)
+EMPTY_SLOT = tl.constexpr(fmt.EMPTY_SLOT)
+
 
 # Triton's standard library (tl.sum, tl.max, tl.zeros, tl.cdiv) is itself jit functions, which the
 # interpreter can call only when triton was imported with TRITON_INTERPRET=1 (and then torch.compile
@@ -61,7 +70,7 @@ def _dequant(codes, scale, zero, levels, out_val, out_idx, row, t, d, ok_t, ok_d
     positions t and channels d, from the planar packed layout of `kvq_ao.quant.packing`."""
     ok = ok_t[:, None] & ok_d[None, :]
     vec = row * T + t  # int64 vector index [len(t)]
-    if BITS == 0:  # a float body
+    if BITS == FLOAT_BITS:  # a float body
         x = tl.load(codes + vec[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
         ROW_BYTES: tl.constexpr = D * BITS // 8
@@ -81,9 +90,9 @@ def _dequant(codes, scale, zero, levels, out_val, out_idx, row, t, d, ok_t, ok_d
             level = tl.load(levels + code)
         else:
             level = code.to(tl.float32)
-        if AXIS == 0:  # per-token groups: metadata [.., T, D / GROUP]
+        if AXIS == AXIS_TOKEN:  # per-token groups: metadata [.., T, D / GROUP]
             meta = vec[:, None] * (D // GROUP) + (d // GROUP)[None, :]
-        elif GROUP == 0:  # calibrated ranges: one row [.., 1, D] for every position
+        elif GROUP == ONE_ROW:  # calibrated ranges: one row [.., 1, D] for every position
             meta = (row + t * 0)[:, None] * D + d[None, :]
         else:  # per-channel groups of GROUP tokens: metadata [.., T / GROUP, D]
             meta = (row * (T // GROUP) + t // GROUP)[:, None] * D + d[None, :]
@@ -91,7 +100,7 @@ def _dequant(codes, scale, zero, levels, out_val, out_idx, row, t, d, ok_t, ok_d
         z = tl.load(zero + meta, mask=ok, other=0.0).to(tl.float32)
         x = level * s + z
     for j in tl.static_range(N_OUT):  # exact outliers replace their channel
-        idx = tl.load(out_idx + vec * N_OUT + j, mask=ok_t, other=255).to(tl.int32)
+        idx = tl.load(out_idx + vec * N_OUT + j, mask=ok_t, other=EMPTY_SLOT).to(tl.int32)
         val = tl.load(out_val + vec * N_OUT + j, mask=ok_t, other=0.0).to(tl.float32)
         x = tl.where(d[None, :] == idx[:, None], val[:, None], x)
     return x
@@ -141,13 +150,13 @@ def _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP: tl.constexpr, 
 
 
 @triton.jit
-def _body_keys(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq, rope_scale,
+def _body_keys(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq, rope_scale,
                D: tl.constexpr, HALF: tl.constexpr, PRE_ROPE: tl.constexpr, K_BITS: tl.constexpr, K_AXIS: tl.constexpr,
                K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr):  # fmt: skip
     """Key halves [n, DH] of body positions t [n] dequantized from the packed codes, rotated at t when pre-RoPE."""
-    k1 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
+    k1 = _dequant(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
                   D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-    k2 = _dequant(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
+    k2 = _dequant(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
                   D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
     if PRE_ROPE:
         k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
@@ -186,8 +195,8 @@ def _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D: tl.constexpr, HALF: tl.const
 
 @triton.jit
 def _decode_split(
-    q, k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx,
-    v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx,
+    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx,
+    v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx,
     mask, inv_freq, body_end, part_m, part_l, part_acc,
     body_start, T, HKV, HQ, n_splits, scaling, rope_scale, softcap,
     N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr,
@@ -216,10 +225,10 @@ def _decode_split(
         t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         ok_t = (t >= body_start) & (t < end)
         allow = _allowed(mask, b, qh, ok_h, t, ok_t, T, HQ, MASK_HEADS)
-        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
+        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
                             rope_scale, D, HALF, PRE_ROPE, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
         s = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
-        v = _dequant(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
+        v = _dequant(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
                      DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
         m, l, acc = _softmax_step(m, l, acc, s, v)
     part = (row * n_splits + split) * NP + heads
@@ -290,8 +299,8 @@ def _softmax_step_dot(m, l, acc, scores, v, PRECISION: tl.constexpr):
 
 @triton.jit
 def _chunk_attention(
-    q, k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx,
-    v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx,
+    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx,
+    v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx,
     side_k, side_v, side_pos, mask, inv_freq, body_end, out,
     body_start, T, S, TQ, HKV, HQ, scaling, rope_scale, softcap,
     N: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
@@ -349,10 +358,10 @@ def _chunk_attention(
         allow = allow & (t[None, :] >= lo[:, None]) & (t[None, :] < hi[:, None])
         if BOUNDS == 0:
             allow = allow & (tl.load(mask + mask_row[:, None] + t[None, :], mask=allow, other=0) != 0)
-        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
+        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
                             rope_scale, D, HALF, PRE_ROPE, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
         s = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
-        v = _dequant(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
+        v = _dequant(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
                      DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
         m, l, acc = _softmax_step_dot(m, l, acc, s, v, PRECISION)
     for s0 in range(0, S, BLOCK_S):  # the side store: each row reads the entries outside its body range

@@ -4,7 +4,8 @@ A triton_op (not a custom_op with an opaque CUDA kernel) because torch.compile t
 it: AOTAutograd replaces the op by its Triton kernel launches, so inductor schedules them with the
 rest of the graph and CUDA graphs capture them. It takes exactly the arguments of
 `kvq::decode_attention` (the schema is inferred from the signature below and checked against
-`kvq_ao.ops.ATTENTION_SCHEMA` by the tests), validates them with the same shared checks, and on CPU
+`kvq_ao.ops.ATTENTION_SCHEMA` by the tests; each operand's tensors reach the kernels by name, from
+`kvq_ao.format.Operand`), validates them with the same shared checks, and on CPU
 tensors runs the same kernels in Triton's interpreter.
 """
 
@@ -19,7 +20,8 @@ from torch.library import triton_op, wrap_triton
 
 from kvq_ao.kernels.gpu import triton_attention
 from kvq_ao.kernels.gpu import triton_quantize as triton_quantize_kernels
-from kvq_ao.ops import _check_attention, _check_quantize, _check_quantize_fixed, _meta_shapes
+from kvq_ao.format import OPERAND_TENSORS, Operand, midpoints
+from kvq_ao.ops import _check_attention, _check_quantize, _check_quantize_fixed, _meta_shapes, named_arguments
 from kvq_ao.quant.packing import packed_size
 
 BLOCK_T = 64  # body tokens per step of a split program
@@ -68,50 +70,44 @@ def _splits(q: torch.Tensor, rows: int, capacity: int) -> int:
     return max(1, min(blocks, SPLITS_PER_SM * sms // rows))
 
 
-def _format(named: dict, prefix: str, dummy: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
-    """One operand's tensors (absent ones replaced by a dummy pointer the kernel never reads) and its
+def _operand_launch(o: Operand, prefix: str, dummy: torch.Tensor) -> tuple[dict, dict]:
+    """One operand as keyword launch arguments: its body tensors under the kernels' parameter names
+    (`k_codes`, ...; absent ones replaced by a dummy pointer the kernel never reads) and its
     compile-time format."""
-    tensors = [named[f"{prefix}_{f}"] for f in ("codes", "scale", "zero", "codebook", "out_val", "out_idx")]
-    tensors = [dummy if t is None else t.contiguous() for t in tensors]
-    if named[f"{prefix}_codebook"] is not None:
-        tensors[3] = tensors[3].float()
-    out_val = named[f"{prefix}_out_val"]
-    fmt = dict(BITS=named[f"{prefix}_bits"], AXIS=named[f"{prefix}_axis"], GROUP=named[f"{prefix}_group"],
-               CODEBOOK=named[f"{prefix}_codebook"] is not None, OUT=0 if out_val is None else out_val.shape[-1])  # fmt: skip
-    return tensors, {f"{prefix.upper()}_{k}": v for k, v in fmt.items()}
+    tensors = {f"{prefix}_{name}": getattr(o, name) for name in OPERAND_TENSORS if name != "side"}
+    tensors = {name: dummy if t is None else t.contiguous() for name, t in tensors.items()}
+    if o.codebook is not None:
+        tensors[f"{prefix}_codebook"] = tensors[f"{prefix}_codebook"].float()
+    form = dict(BITS=o.bits, AXIS=o.axis, GROUP=o.group, CODEBOOK=o.codebook is not None, OUT=o.n_outliers)
+    return tensors, {f"{prefix.upper()}_{k}": v for k, v in form.items()}
 
 
-def _common(named: dict) -> tuple[list, dict]:
-    """The launch arguments both kernels share: operand tensors (contiguous) and the shapes and
-    formats they are compiled for."""
-    q, k_codes, side_v = named["q"], named["k_codes"], named["side_v"]
-    d, hkv, hq, dv = q.shape[-1], k_codes.shape[1], q.shape[1], side_v.shape[-1]
-    k_tensors, k_fmt = _format(named, "k", q)
-    v_tensors, v_fmt = _format(named, "v", q)
+def _common(named: dict) -> tuple[dict, dict]:
+    """The launch arguments both kernels share: operand tensors (contiguous, by name) and the shapes
+    and formats they are compiled for."""
+    q, k, v = named["q"], named["k"], named["v"]
+    d, hkv, hq, dv = q.shape[-1], k.codes.shape[1], q.shape[1], v.side.shape[-1]
+    k_tensors, k_fmt = _operand_launch(k, "k", q)
+    v_tensors, v_fmt = _operand_launch(v, "v", q)
     rope = named["rope_inv_freq"]
     shape = dict(N=hq // hkv, D=d, HALF=d // 2, DH=triton.next_power_of_2(d // 2), DV=dv, BDV=triton.next_power_of_2(dv),
                  PRE_ROPE=rope is not None, SOFTCAP=named["softcap"] > 0, **k_fmt, **v_fmt)  # fmt: skip
     inv_freq = q if rope is None else rope.float().contiguous()
-    return [*k_tensors, *v_tensors], dict(shape=shape, inv_freq=inv_freq)
+    return {**k_tensors, **v_tensors}, dict(shape=shape, inv_freq=inv_freq)
 
 
 @triton_op("kvq::triton_decode_attention", mutates_args=())
 def triton_decode_attention(
-    q: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor | None, k_zero: torch.Tensor | None, k_codebook: torch.Tensor | None,
-    k_out_val: torch.Tensor | None, k_out_idx: torch.Tensor | None,
-    v_codes: torch.Tensor, v_scale: torch.Tensor | None, v_zero: torch.Tensor | None, v_codebook: torch.Tensor | None,
-    v_out_val: torch.Tensor | None, v_out_idx: torch.Tensor | None,
-    side_k: torch.Tensor, side_v: torch.Tensor, side_pos: torch.Tensor, body_end: torch.Tensor, mask: torch.Tensor,
-    rope_inv_freq: torch.Tensor | None, body_start: int, scaling: float, rope_scale: float,
-    k_bits: int, k_axis: int, k_group: int, v_bits: int, v_axis: int, v_group: int, softcap: float = 0.0,
+    q: torch.Tensor, k: list[torch.Tensor | None], k_format: list[int], v: list[torch.Tensor | None], v_format: list[int],
+    side_pos: torch.Tensor, body_end: torch.Tensor, mask: torch.Tensor, rope_inv_freq: torch.Tensor | None,
+    body_start: int, scaling: float, rope_scale: float, softcap: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """`kvq::decode_attention` (same arguments, same result) in Triton: q [B, Hq, 1, D] over one
     layer's packed cache -> [B, Hq, 1, Dv] in q's dtype."""
-    named = dict(locals())
-    _check_attention(named, decode=True)
+    named = _check_attention(named_arguments((), dict(locals())), decode=True)
     b, hq, _, d = q.shape
-    hkv, t, dv, s = k_codes.shape[1], k_codes.shape[2], side_v.shape[-1], side_pos.shape[0]
+    ko, vo = named["k"], named["v"]
+    hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
     q = q.contiguous()
     operands, common = _common(dict(named, q=q))
     shape = common["shape"]
@@ -123,13 +119,13 @@ def triton_decode_attention(
     part_acc = q.new_empty((b * hkv, splits, np_, shape["BDV"]), dtype=torch.float32)
     out = q.new_empty((b, hq, 1, dv))
     _launcher(triton_attention, "_decode_split", q)[(b * hkv, splits)](
-        q, *operands, mask_arg, common["inv_freq"], body_end, part_m, part_l, part_acc,
-        body_start, t, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_, MASK_HEADS=mask.shape[1], **shape,
-        BLOCK_T=BLOCK_T,
+        q=q, **operands, mask=mask_arg, inv_freq=common["inv_freq"], body_end=body_end, part_m=part_m, part_l=part_l,
+        part_acc=part_acc, body_start=body_start, T=t, HKV=hkv, HQ=hq, n_splits=splits, scaling=scaling,
+        rope_scale=rope_scale, softcap=softcap, NP=np_, MASK_HEADS=mask.shape[1], **shape, BLOCK_T=BLOCK_T,
     )  # fmt: skip
     merge_shape = {k: v for k, v in shape.items() if not k.startswith(("K_", "V_"))}
     _launcher(triton_attention, "_decode_merge", q)[(b * hkv,)](
-        q, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_arg, common["inv_freq"], body_end,
+        q, ko.side.contiguous(), vo.side.contiguous(), side_pos.contiguous(), mask_arg, common["inv_freq"], body_end,
         part_m, part_l, part_acc, out, body_start, t, s, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_,
         MASK_HEADS=mask.shape[1], **merge_shape, BLOCK_S=BLOCK_S,
     )  # fmt: skip
@@ -138,23 +134,18 @@ def triton_decode_attention(
 
 @triton_op("kvq::triton_chunk_attention", mutates_args=())
 def triton_chunk_attention(
-    q: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor | None, k_zero: torch.Tensor | None, k_codebook: torch.Tensor | None,
-    k_out_val: torch.Tensor | None, k_out_idx: torch.Tensor | None,
-    v_codes: torch.Tensor, v_scale: torch.Tensor | None, v_zero: torch.Tensor | None, v_codebook: torch.Tensor | None,
-    v_out_val: torch.Tensor | None, v_out_idx: torch.Tensor | None,
-    side_k: torch.Tensor, side_v: torch.Tensor, side_pos: torch.Tensor, body_end: torch.Tensor, mask: torch.Tensor,
-    rope_inv_freq: torch.Tensor | None, body_start: int, scaling: float, rope_scale: float,
-    k_bits: int, k_axis: int, k_group: int, v_bits: int, v_axis: int, v_group: int, softcap: float = 0.0,
+    q: torch.Tensor, k: list[torch.Tensor | None], k_format: list[int], v: list[torch.Tensor | None], v_format: list[int],
+    side_pos: torch.Tensor, body_end: torch.Tensor, mask: torch.Tensor, rope_inv_freq: torch.Tensor | None,
+    body_start: int, scaling: float, rope_scale: float, softcap: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """`kvq::chunk_attention` (same arguments, same result) in Triton: queries q [B, Hq, Tq, D] (a
     prefill chunk, speculative or batched steps) over one layer's packed cache -> [B, Hq, Tq, Dv],
     in tiles of CHUNK_BLOCK_Q queries x all query heads of a kv head, streaming the body block by
     block (no float cache, no [Tq, T] scores)."""
-    named = dict(locals())
-    _check_attention(named, decode=False)
+    named = _check_attention(named_arguments((), dict(locals())), decode=False)
     b, hq, tq, d = q.shape
-    hkv, t, dv, s = k_codes.shape[1], k_codes.shape[2], side_v.shape[-1], side_pos.shape[0]
+    ko, vo = named["k"], named["v"]
+    hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
     q = q.contiguous()
     operands, common = _common(dict(named, q=q))
     bounds = mask.dtype == torch.int64
@@ -162,8 +153,9 @@ def triton_chunk_attention(
     rows = triton.next_power_of_2(common["shape"]["N"] * CHUNK_BLOCK_Q)
     out = q.new_empty((b, hq, tq, dv))
     _launcher(triton_attention, "_chunk_attention", q)[(b * hkv, triton.cdiv(tq, CHUNK_BLOCK_Q))](
-        q, *operands, side_k.contiguous(), side_v.contiguous(), side_pos.contiguous(), mask_arg, common["inv_freq"],
-        body_end.contiguous(), out, body_start, t, s, tq, hkv, hq, scaling, rope_scale, softcap, BOUNDS=int(bounds),
+        q=q, **operands, side_k=ko.side.contiguous(), side_v=vo.side.contiguous(), side_pos=side_pos.contiguous(),
+        mask=mask_arg, inv_freq=common["inv_freq"], body_end=body_end.contiguous(), out=out, body_start=body_start, T=t,
+        S=s, TQ=tq, HKV=hkv, HQ=hq, scaling=scaling, rope_scale=rope_scale, softcap=softcap, BOUNDS=int(bounds),
         MASK_HEADS=1 if bounds else mask.shape[1], PER_QUERY_END=body_end.dim() == 1, **common["shape"],
         BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -183,12 +175,12 @@ def quantize_supported(x: torch.Tensor, axis: int, group: int, scale_dtype: torc
 
 @triton_op("kvq::triton_quantize", mutates_args=())
 def triton_quantize(
-    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype,
+    x: torch.Tensor, format: list[int], scale_dtype: torch.dtype,
     codebook: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_outliers: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`kvq::quantize` (same arguments, bit-identical results) in Triton: x [B, H, T, D] float ->
     (codes, scale, zero, outlier values, outlier indices, clamped count)."""
-    _check_quantize(x, bits, axis, group, codebook, lo, hi, n_outliers)
+    bits, axis, group = _check_quantize(x, format, codebook, lo, hi, n_outliers)
     if not quantize_supported(x, axis, group, scale_dtype):
         raise ValueError(f"kvq.triton_quantize needs a power-of-two head_dim and group and a float16/bfloat16/float32 "
                          f"scale dtype; got head_dim {x.shape[-1]}, group {group}, {scale_dtype} (use kvq.quantize)")  # fmt: skip
@@ -206,7 +198,7 @@ def triton_quantize(
     partial = x.new_zeros([programs], dtype=torch.int64)  # outliers clamped, per program
     finfo = torch.finfo(scale_dtype)
     vector = n_outliers > 0 and lo.numel() == 0
-    mids = (codebook[1:] + codebook[:-1]).float() * 0.5 if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
+    mids = midpoints(codebook.float()) if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
     thresholds = (lo.float().contiguous(), hi.float().contiguous()) if n_outliers and not vector else (x, x)
     # FIXED is passed though it has a default: torch's analysis of which arguments a launch writes
     # needs every argument, and without it assumes all are written (copies of every input).
@@ -241,7 +233,7 @@ def triton_quantize_fixed(
     out_idx = x.new_empty([b, h, t, n_outliers], dtype=torch.uint8)
     programs = triton.cdiv(b * h * t, QUANTIZE_ROWS)
     partial = x.new_zeros([programs], dtype=torch.int64)
-    mids = (codebook[1:] + codebook[:-1]).float() * 0.5 if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
+    mids = midpoints(codebook.float()) if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
     fixed = [t_.float().contiguous() for t_ in (lo, hi, scale, zero)]
     _launcher(triton_quantize_kernels, "_quantize", x)[(programs,)](
         x, fixed[0], fixed[1], mids, codes, fixed[2], fixed[3], out_val, out_idx, partial,

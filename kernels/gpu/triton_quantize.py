@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvq_ao.kernels.gpu.triton_attention import _max, _min, _sum
+from kvq_ao.kernels.gpu.triton_attention import AXIS_TOKEN, EMPTY_SLOT, _max, _min, _sum
 
 # 1.5 * 2**23: (x + M) - M rounds a float32 0 <= x < 2**22 half to even. A constexpr: compiled Triton
 # refuses plain module globals inside @jit (its interpreter does not, which is how this once shipped).
@@ -116,7 +116,7 @@ def _quantize(
                 kept = (best > 0) & ok
                 val = _sum(tl.where(pick, x_raw.to(tl.float32), 0.0), 1)
                 tl.store(out_val + r * K + j, tl.where(kept, val, 0.0).to(out_val.dtype.element_ty), mask=ok)
-                tl.store(out_idx + r * K + j, tl.where(kept, idx, 255).to(tl.uint8), mask=ok)
+                tl.store(out_idx + r * K + j, tl.where(kept, idx, EMPTY_SLOT).to(tl.uint8), mask=ok)
                 n_kept += kept.to(tl.int32)
                 excess = tl.where(pick, -1.0, excess)
             tl.store(clamped + pid, _sum(n_out - n_kept, 0).to(tl.int64))
@@ -125,7 +125,7 @@ def _quantize(
         zero = tl.load(zero_out + head[:, None] * D + d[None, :], mask=okd, other=0.0).to(tl.float32)
         scale = tl.load(scale_out + head[:, None] * D + d[None, :], mask=okd, other=1.0).to(tl.float32)
         u = tl.math.div_rn(dense - zero, tl.where(scale > 0, scale, 1.0))
-    elif AXIS == 0:  # per-token groups: [ROWS, D / GROUP] ranges
+    elif AXIS == AXIS_TOKEN:  # per-token groups: [ROWS, D / GROUP] ranges
         g3 = tl.reshape(dense, [ROWS, D // GROUP, GROUP])
         zero, scale = _group_range(_min(g3, 2), _max(g3, 2), levels, fmax, eps, tiny, SCALE)
         meta = r[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :]

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from kvq_ao import masks
+from kvq_ao.format import Operand
 from kvq_ao.kernels import reference
+from kvq_ao.ops import attention_arguments
 from kvq_ao.parallel.merge import gather_merge, merge_partials
 from kvq_ao.quant.rope import rotate
 
@@ -24,19 +26,14 @@ class ShardedKV:
     body_end: torch.Tensor  # 0-dim, or one per query of a chunk
 
 
-def _operand(body, prefix: str, local: int, length: int) -> dict:
-    """Positions [local, local + length) of a segmented body as the attention ops' named fields."""
-    bits, axis, group = body.op_format()
-    codes, scale, zero = body.tensors()
-    out_val, out_idx = body.sparse()
-    codes, scale, zero, out_val, out_idx, group = reference.body_slice(codes, scale, zero, out_val, out_idx, axis, group,
-                                                                        local, local + length)  # fmt: skip
+def _operand(body, side: torch.Tensor, local: int, length: int) -> Operand:
+    """Positions [local, local + length) of a segmented body as an attention operand (with `side`)."""
+    whole = Operand(**body.operand_fields(), side=side)
+    sliced = reference.body_slice(whole, local, local + length)
     present = lambda t: t if t.numel() else None  # noqa: E731
-    slots = out_val.shape[-1] > 0
-    return {f"{prefix}_codes": codes, f"{prefix}_scale": present(scale), f"{prefix}_zero": present(zero),
-            f"{prefix}_codebook": present(body.codebook), f"{prefix}_out_val": out_val if slots else None,
-            f"{prefix}_out_idx": out_idx if slots else None, f"{prefix}_bits": bits, f"{prefix}_axis": axis,
-            f"{prefix}_group": group}  # fmt: skip
+    slots = sliced.out_val.shape[-1] > 0
+    return sliced.replace(scale=present(sliced.scale), zero=present(sliced.zero), codebook=present(sliced.codebook),
+                          out_val=sliced.out_val if slots else None, out_idx=sliced.out_idx if slots else None)  # fmt: skip
 
 
 def _side_partial(query, key: ShardedKV, value: ShardedKV, mask, scaling: float, softcap: float):
@@ -63,18 +60,20 @@ def sharded_attention(query: torch.Tensor, key: ShardedKV, value: ShardedKV, mas
     decode = query.shape[2] == 1
     op = torch.ops.kvq.decode_attention_partial if decode else torch.ops.kvq.chunk_attention_partial
     b, hkv, d = query.shape[0], layer.side_k.shape[1], layer.side_k.shape[-1]
-    no_side = dict(side_k=layer.side_k.new_zeros(b, hkv, 1, d), side_v=layer.side_v.new_zeros(b, hkv, 1, layer.side_v.shape[-1]),
-                   side_pos=torch.full((1,), -1, dtype=torch.int64, device=query.device))  # fmt: skip
+    no_side_k, no_side_v = layer.side_k.new_zeros(b, hkv, 1, d), layer.side_v.new_zeros(b, hkv, 1, layer.side_v.shape[-1])
+    no_side_pos = torch.full((1,), -1, dtype=torch.int64, device=query.device)
     rope = layer.rope_inv_freq if layer.rope_inv_freq.numel() else None
     outs, lses = [], []
     for offset, local in plan.segments(layer.sink, int(ends.max())):
         length = min(plan.segment, layer.capacity - offset)
         start = min(max(layer.sink - offset, 0), length)
         shard_mask = (mask - offset).clamp(0, length) if masks.is_bounds(mask) else mask[..., offset : offset + length]
-        out, lse = op(q=query, **_operand(layer.k_body, "k", local, length), **_operand(layer.v_body, "v", local, length),
-                      **no_side, body_end=(ends - offset).clamp(start, length), mask=shard_mask, rope_inv_freq=rope,
-                      body_start=start, scaling=float(scaling), rope_scale=float(layer.rope_scale), softcap=float(softcap),
-                      position_offset=offset)  # fmt: skip
+        named = attention_arguments(
+            query, _operand(layer.k_body, no_side_k, local, length), _operand(layer.v_body, no_side_v, local, length),
+            side_pos=no_side_pos, body_end=(ends - offset).clamp(start, length), mask=shard_mask, rope_inv_freq=rope,
+            body_start=start, scaling=float(scaling), rope_scale=float(layer.rope_scale), softcap=float(softcap),
+        )  # fmt: skip
+        out, lse = op(**named, position_offset=offset)
         outs.append(out)
         lses.append(lse)
     if plan.rank == 0:

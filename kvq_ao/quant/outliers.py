@@ -25,7 +25,7 @@ import math
 
 import torch
 
-EMPTY_SLOT = 255  # index of an unused outlier slot: matches no channel (head_dim must be < 255)
+from kvq_ao.format import EMPTY_SLOT  # noqa: E402  (index of an unused outlier slot: matches no channel)
 
 
 def outlier_slots(fraction: float, head_dim: int) -> int:

@@ -17,19 +17,11 @@ slower for the fused decode attention on CPU).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+from kvq_ao.format import PACKED_BITS, word_layout
 
-
-def word_layout(bits: int) -> tuple[int, int]:
-    """Return (values_per_word, bytes_per_word) for a bit width."""
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    word_bits = math.lcm(bits, 8)
-    return word_bits // bits, word_bits // 8
+SUPPORTED_BITS = PACKED_BITS  # the name the config and tests use
 
 
 def packed_size(n: int, bits: int) -> int:

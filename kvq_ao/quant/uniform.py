@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, PACKED_BITS, check_format, is_one_row  # noqa: F401  (re-exported)
 from kvq_ao.quant.packing import pack, unpack_float
-
-AXIS_TOKEN = 0
-AXIS_CHANNEL = 1
-
-
-ONE_ROW = 0  # the per-channel `group` of fixed (calibrated) ranges: one scale/zero row for every position
 
 
 def _grouped(x: torch.Tensor, axis: int, group: int) -> torch.Tensor:
     """View [..., T, D] as groups: token axis -> [..., T, D/G, G]; channel -> [..., T/G, G, D]
-    (group ONE_ROW: [..., 1, T, D])."""
+    (one calibrated row for every position: [..., 1, T, D])."""
     *lead, t, d = x.shape
     if axis == AXIS_TOKEN:
         return x.reshape(*lead, t, d // group, group)
-    if group == ONE_ROW:
+    if is_one_row(axis, group):
         return x.reshape(*lead, 1, t, d)
     return x.reshape(*lead, t // group, group, d)
 
@@ -44,11 +39,8 @@ def _reduce_dim(axis: int) -> int:
 
 def check_shape(t: int, d: int, axis: int, group: int) -> None:
     """Raise a clear error when a [.., t, d] tensor cannot be grouped as asked."""
-    if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
-        raise ValueError(f"axis must be {AXIS_TOKEN} (per-token) or {AXIS_CHANNEL} (per-channel), got {axis}")
-    if group < 0 or (group == ONE_ROW and axis != AXIS_CHANNEL):
-        raise ValueError(f"group size must be positive (or {ONE_ROW}, one row for every position, with per-channel groups), got {group}")
-    if group == ONE_ROW:
+    check_format(PACKED_BITS[0], axis, group)
+    if is_one_row(axis, group):
         return
     if axis == AXIS_TOKEN and d % group:
         raise ValueError(f"per-token group size {group} does not divide head_dim {d}")

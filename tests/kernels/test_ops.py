@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import kvq_ao.ops  # noqa: F401
+from kvq_ao.format import Operand, format_ints
 from kvq_ao.kernels import reference
 from kvq_ao.ops import reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
-from attention_cases import attend, attention_case, positional, reference_attention
+from attention_cases import attend, attention_case, map_tensors, positional, reference_attention, with_operand
 
 
 @pytest.mark.parametrize("tq", [1, 7])
@@ -79,10 +80,12 @@ def test_opcheck_quantize_and_dequantize(bits, axis, kind):
     cb = nf_codebook(bits) if kind != "int" and bits != 8 else torch.zeros(0)
     n_out = 2 if kind != "int" else 0
     lo, hi = (-torch.ones(2, 64), torch.ones(2, 64)) if n_out else (torch.zeros(0), torch.zeros(0))
-    args = (x, bits, axis, 16, torch.float16, cb, lo, hi, n_out)
+    args = (x, format_ints(bits, axis, 16), torch.float16, cb, lo, hi, n_out)
     torch.library.opcheck(torch.ops.kvq.quantize.default, args)
     codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(*args)
-    torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scale, zero, cb, out_val, out_idx, bits, axis, 16, torch.float32))
+    body = Operand(codes=codes, scale=scale, zero=zero, codebook=cb, out_val=out_val, out_idx=out_idx, side=None, bits=bits,
+                   axis=axis, group=16)  # fmt: skip
+    torch.library.opcheck(torch.ops.kvq.dequantize.default, (*body.lists(), torch.float32))
 
 
 def test_ops_reject_bad_arguments_with_clear_errors():
@@ -90,7 +93,7 @@ def test_ops_reject_bad_arguments_with_clear_errors():
     e = torch.zeros(0)
 
     def quantize(bits, axis, group, cb=e, lo=e, hi=e, n=0):
-        return torch.ops.kvq.quantize(x, bits, axis, group, torch.float16, cb, lo, hi, n)
+        return torch.ops.kvq.quantize(x, format_ints(bits, axis, group), torch.float16, cb, lo, hi, n)
 
     with pytest.raises(ValueError, match="bits must be one of"):
         quantize(5, AXIS_TOKEN, 16)
@@ -109,21 +112,21 @@ def test_ops_reject_bad_arguments_with_clear_errors():
     def both(change, match):
         for tq in (1, 3):
             args = attention_case(0, tq)
-            change(args)
+            args = change(args)
             with pytest.raises(ValueError, match=match):
                 attend(args)
             if tq == 1:
                 with fake, pytest.raises(ValueError, match=match):
-                    attend({k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+                    attend(map_tensors(args, fake.from_tensor))
 
-    both(lambda a: a.update(q=torch.randn(2, 5, a["q"].shape[2], 32)), "5 query heads is not a multiple of 2")
-    both(lambda a: a.update(mask=a["mask"].float()), "mask must be")
-    both(lambda a: a.update(rope_inv_freq=torch.ones(5)), "rope_inv_freq must be None")
-    both(lambda a: a.update(k_scale=None), "need k_scale and k_zero")
-    both(lambda a: a.update(v_out_idx=torch.zeros(2, 2, 64, 1, dtype=torch.uint8)), "v_out_val and v_out_idx come together")
-    both(lambda a: a.update(k_bits=5), "bits must be")
+    both(lambda a: dict(a, q=torch.randn(2, 5, a["q"].shape[2], 32)), "5 query heads is not a multiple of 2")
+    both(lambda a: dict(a, mask=a["mask"].float()), "mask must be")
+    both(lambda a: dict(a, rope_inv_freq=torch.ones(5)), "rope_inv_freq must be None")
+    both(lambda a: with_operand(a, "k", scale=None), "k codes need a scale and a zero")
+    both(lambda a: with_operand(a, "v", out_idx=torch.zeros(2, 2, 64, 1, dtype=torch.uint8)), "v's out_val and out_idx come together")
+    both(lambda a: with_operand(a, "k", bits=5), "bits must be")
     with pytest.raises(ValueError, match="takes one query token"):  # the native kernel
-        torch.ops.kvq.decode_attention(**attention_case(0, 3))
-    faked = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in attention_case(0, 3).items()}
+        attend(attention_case(0, 3), torch.ops.kvq.decode_attention)
+    faked = map_tensors(attention_case(0, 3), fake.from_tensor)
     with fake, pytest.raises(ValueError, match="takes one query token"):  # the checks compile and export trace
-        torch.ops.kvq.decode_attention(**faked)
+        attend(faked, torch.ops.kvq.decode_attention)

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from kvq_ao import masks
 from kvq_ao.parallel.merge import merge_partials
 from kvq_ao.kernels import cpu, reference
-from kvq_ao.ops import ATTENTION_FIELDS, reference_arguments
-from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN
+from kvq_ao.ops import ATTENTION_FIELDS, filled, reference_arguments
 
-from attention_cases import (FORMATS, STREAM_FORMATS, TOLERANCE, expected_streaming, native_case, positional,
-                             reference_attention, streaming_case)  # fmt: skip
+from attention_cases import (FORMATS, STREAM_FORMATS, TOLERANCE, attend, expected_streaming, native_case, op_args,
+                             positional, reference_attention, streaming_case)  # fmt: skip
 
 _BODY = ("codes", "scale", "zero", "out_val", "out_idx")
 
@@ -29,11 +29,9 @@ def shard(named: dict, start: int, stop: int) -> dict:
     out = dict(named)
     length = stop - start
     for p in ("k", "v"):
-        fields = [named[f"{p}_{f}"] for f in _BODY]
-        present = [f if f is not None else torch.zeros(0) for f in fields]
-        sliced = reference.body_slice(*present, named[f"{p}_axis"], named[f"{p}_group"], start, stop)
-        for name, was, now in zip(_BODY, fields, sliced[:5]):
-            out[f"{p}_{name}"] = None if was is None else now
+        o = named[p]
+        sliced = reference.body_slice(filled(o, named["q"]), start, stop)
+        out[p] = o.replace(**{f: None if getattr(o, f) is None else getattr(sliced, f) for f in _BODY})
     mask = named["mask"]
     out["mask"] = (mask - start).clamp(0, length) if masks.is_bounds(mask) else mask[..., start:stop]
     out["body_start"] = min(max(named["body_start"] - start, 0), length)
@@ -51,13 +49,13 @@ def cuts(t: int, grid: int, points: list[int]) -> list[int]:
 
 
 def grid_of(named: dict) -> int:
-    groups = [named[f"{p}_group"] for p in ("k", "v") if named[f"{p}_bits"] and named[f"{p}_axis"] == AXIS_CHANNEL]
+    groups = [named[p].group for p in ("k", "v") if not named[p].is_float and named[p].axis == AXIS_CHANNEL]
     return max([g for g in groups if g] or [1])
 
 
 def merged(named: dict, bounds: list[int], decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
     op = torch.ops.kvq.decode_attention_partial if decode else torch.ops.kvq.chunk_attention_partial
-    parts = [op(**shard(named, a, b), position_offset=a) for a, b in zip(bounds[:-1], bounds[1:])]
+    parts = [op(**op_args(shard(named, a, b)), position_offset=a) for a, b in zip(bounds[:-1], bounds[1:])]
     return merge_partials([o for o, _ in parts], [lse for _, lse in parts])
 
 
@@ -70,7 +68,7 @@ def test_native_partial_decode_matches_float64(seed, k_fmt, v_fmt, ratio, d, blo
     body_end = max(1, 16 * blocks - 3 - seed % 9)
     named = native_case(seed, k_fmt=k_fmt, v_fmt=v_fmt, ratio=ratio, d=d, blocks=blocks, body_end=body_end, side=side,
                         window=window, pre_rope=pre_rope, softcap=softcap)  # fmt: skip
-    out, lse = torch.ops.kvq.decode_attention_partial(**named, position_offset=offset)
+    out, lse = torch.ops.kvq.decode_attention_partial(**op_args(named), position_offset=offset)
     want, want_lse = reference_attention(named, position_offset=offset, with_lse=True)
     tol = TOLERANCE[torch.float32]
     assert out.dtype == lse.dtype == torch.float32 and lse.shape == named["q"].shape[:-1]
@@ -86,16 +84,16 @@ def test_partial_decode_is_the_native_kernel_and_checks_its_offset():
     assert cpu.is_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key("kvq::decode_attention_partial", "CPU")
     named = native_case(1)
     with pytest.raises(ValueError, match="position_offset must be >= 0"):
-        torch.ops.kvq.decode_attention_partial(**named, position_offset=-1)
+        torch.ops.kvq.decode_attention_partial(**op_args(named), position_offset=-1)
 
 
 def test_a_shard_that_sees_nothing_has_lse_minus_infinity_and_weighs_nothing():
     named = native_case(2, side="empty")
     named["mask"] = torch.zeros_like(named["mask"])
-    out, lse = torch.ops.kvq.decode_attention_partial(**named)
+    out, lse = torch.ops.kvq.decode_attention_partial(**op_args(named))
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
     full = native_case(2)
-    o2, l2 = torch.ops.kvq.decode_attention_partial(**full)
+    o2, l2 = torch.ops.kvq.decode_attention_partial(**op_args(full))
     mo, ml = merge_partials([out, o2], [lse, l2])
     torch.testing.assert_close(mo, o2, rtol=0, atol=0)
     torch.testing.assert_close(ml, l2, rtol=0, atol=0)
@@ -109,9 +107,9 @@ def test_decode_over_shards_merges_to_the_unsplit_op(seed, k_fmt, v_fmt, blocks,
     positions): the merged partials equal the unsplit native op and the float64 reference."""
     named = native_case(seed, k_fmt=k_fmt, v_fmt=v_fmt, blocks=blocks, body_end=16 * blocks - 5, pre_rope=pre_rope,
                         window=window, left_pad=left_pad)  # fmt: skip
-    t = named["k_codes"].shape[2]
+    t = named["k"].codes.shape[2]
     out, _ = merged(named, cuts(t, grid_of(named), points), decode=True)
-    whole = torch.ops.kvq.decode_attention(**named)
+    whole = attend(named, torch.ops.kvq.decode_attention)
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double(), reference_attention(named), rtol=2e-5, atol=2e-5)
 
@@ -120,12 +118,12 @@ def test_shards_far_into_a_long_cache_rotate_at_their_true_positions():
     """Shards starting near 2^17: float32 RoPE angles of offset + index are the unsplit op's angles
     of the same positions (the float64 reference takes exact angles, too far off out here)."""
     named = native_case(4, hkv=1, ratio=3, batch=1, blocks=2**13, k_fmt=(4, AXIS_CHANNEL, 16, False, 1), pre_rope=True)
-    t = named["k_codes"].shape[2]
+    t = named["k"].codes.shape[2]
     out, _ = merged(named, [0, t // 2, t - 64, t], decode=True)
-    torch.testing.assert_close(out, torch.ops.kvq.decode_attention(**named), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, attend(named, torch.ops.kvq.decode_attention), rtol=1e-5, atol=1e-5)
     shifted = shard(named, t // 2, t)
-    wrong, _ = torch.ops.kvq.decode_attention_partial(**shifted)  # no offset: rotated at the wrong positions
-    right, _ = torch.ops.kvq.decode_attention_partial(**shifted, position_offset=t // 2)
+    wrong, _ = torch.ops.kvq.decode_attention_partial(**op_args(shifted))  # no offset: rotated at the wrong positions
+    right, _ = torch.ops.kvq.decode_attention_partial(**op_args(shifted), position_offset=t // 2)
     assert not torch.allclose(wrong, right, atol=1e-3)
 
 
@@ -134,9 +132,9 @@ def test_shards_far_into_a_long_cache_rotate_at_their_true_positions():
 def test_chunk_over_shards_merges_to_the_unsplit_op(k_fmt, v_fmt, tq, per_query, window):
     """Prefill chunks (per-query body ends, causal and sliding-window bounds) over 3 shards."""
     named = streaming_case(3, tq, k_fmt, v_fmt, length=150, pre_rope=True, per_query=per_query, window=window)
-    t = named["k_codes"].shape[2]
+    t = named["k"].codes.shape[2]
     out, lse = merged(named, cuts(t, max(grid_of(named), 16), [48, 112]), decode=False)
-    torch.testing.assert_close(out, torch.ops.kvq.chunk_attention(**named), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, attend(named, torch.ops.kvq.chunk_attention), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double(), expected_streaming(named), rtol=2e-5, atol=2e-5)
 
 
@@ -161,7 +159,7 @@ def test_pre_rope_angles_millions_of_radians_out_match_the_reference(offset):
     sin/cos switches from its float32 FMA reduction to the one in double, against the reference,
     which rotates with torch's float32 angles as the model does."""
     named = native_case(5, hkv=1, ratio=3, batch=1, blocks=8, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), pre_rope=True)
-    out, lse = torch.ops.kvq.decode_attention_partial(**named, position_offset=offset)
+    out, lse = torch.ops.kvq.decode_attention_partial(**op_args(named), position_offset=offset)
     ref, ref_lse = reference.streaming_attention(**reference_arguments(named), position_offset=offset, with_lse=True)
     torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lse, ref_lse.to(lse.dtype), rtol=1e-4, atol=1e-4)

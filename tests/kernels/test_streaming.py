@@ -19,11 +19,11 @@ from transformers.masking_utils import (
 
 from attention_cases import STREAM_FORMATS as FORMATS
 from attention_cases import expected_streaming as expected
-from attention_cases import streaming_case
+from attention_cases import attend, op_args, streaming_case
 from kvq_ao import masks
 from kvq_ao.kernels.reference import streaming_attention
 from kvq_ao.ops import reference_arguments
-from kvq_ao.quant.uniform import AXIS_TOKEN
+from kvq_ao.format import AXIS_TOKEN
 
 @settings(max_examples=60, deadline=None)
 @given(
@@ -52,7 +52,7 @@ def test_streaming_attention_matches_the_float64_reference(seed, tq, k_fmt, v_fm
 @pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[2], FORMATS[7]])  # FORMATS[7]: calibrated key ranges
 def test_chunks_up_to_512_queries_over_many_blocks(tq, fmt):
     named = streaming_case(3, tq, fmt, FORMATS[3], length=tq + 700, pre_rope=fmt[2], window=300 if tq == 64 else None)
-    got = torch.ops.kvq.chunk_attention(**named)  # the op, as the model calls it
+    got = attend(named, torch.ops.kvq.chunk_attention)  # the op, as the model calls it
     torch.testing.assert_close(got.double(), expected(named), rtol=2e-5, atol=2e-5)
     small_blocks = streaming_attention(**reference_arguments(named), block=64, tile=48)
     torch.testing.assert_close(small_blocks, got, rtol=1e-5, atol=1e-5)
@@ -64,33 +64,33 @@ def test_per_query_body_ends_in_the_dense_reference_forms(target):
 
     named = streaming_case(4, 24, FORMATS[2], FORMATS[3], per_query=True, pre_rope=True, residual=20)
     assert named["body_end"].unique().numel() > 1
-    torch.testing.assert_close(run_reference((), named, target=target).double(), expected(named), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(run_reference((), op_args(named), target=target).double(), expected(named), rtol=2e-5, atol=2e-5)
 
 
 def test_dense_and_bounds_masks_give_the_same_result():
     named = streaming_case(5, 9, FORMATS[2], FORMATS[4], window=12, pad=(0, 4))
-    dense = dict(named, mask=masks.dense(named["mask"], named["k_codes"].shape[2]))
-    torch.testing.assert_close(torch.ops.kvq.chunk_attention(**dense), torch.ops.kvq.chunk_attention(**named))
+    dense = dict(named, mask=masks.dense(named["mask"], named["k"].codes.shape[2]))
+    torch.testing.assert_close(attend(dense, torch.ops.kvq.chunk_attention), attend(named, torch.ops.kvq.chunk_attention))
 
 
 def test_a_fully_padded_query_gets_zeros():
     named = streaming_case(7, 4, FORMATS[1], FORMATS[3], pad=(0, 60), length=50)  # row 1 is all padding
-    out = torch.ops.kvq.chunk_attention(**named)
+    out = attend(named, torch.ops.kvq.chunk_attention)
     assert out[1].abs().max() == 0 and out[0].abs().min() > 0
 
 
 def test_bad_bounds_are_refused_by_name():
     named = streaming_case(1, 4, FORMATS[1], FORMATS[3])
     with pytest.raises(ValueError, match=r"int64 mask bounds must be \[batch, 1, q_len, 2\]"):
-        torch.ops.kvq.chunk_attention(**dict(named, mask=named["mask"][:, :, :2]))
+        attend(dict(named, mask=named["mask"][:, :, :2]), torch.ops.kvq.chunk_attention)
     one = streaming_case(1, 1, FORMATS[1], FORMATS[3])
     with pytest.raises(ValueError, match="mask must be (a 4-D )?bool"):  # decode takes the dense mask only
-        torch.ops.kvq.decode_attention(**one)
+        attend(one, torch.ops.kvq.decode_attention)
 
 
 def test_opcheck_chunk_attention_with_bounds():
     named = streaming_case(2, 8, FORMATS[2], FORMATS[3], window=10, pre_rope=True)
-    torch.library.opcheck(torch.ops.kvq.chunk_attention.default, (), named)
+    torch.library.opcheck(torch.ops.kvq.chunk_attention.default, (), op_args(named))
 
 
 # --------------------------------------------------------------------------- bounds from transformers' arguments

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need triton (installed with the test extra)")
 
-from attention_cases import FIXED, native_case, streaming_case  # noqa: E402
+from attention_cases import FIXED, attend, native_case, streaming_case  # noqa: E402
 from kvq_ao.kernels import gpu  # noqa: E402
 from kvq_ao.kernels.gpu.aot import KernelReport, compile_all, launch_of, preset_launches, recorded_launches, traced_as_on_gpu, unique  # noqa: E402,E501
-from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN  # noqa: E402
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints  # noqa: E402
 
 gpu.load()
 
@@ -44,20 +44,20 @@ def matrix_launches() -> list:
     """The format matrix's specializations of the attention and quantize kernels (not run)."""
     with recorded_launches(run=False) as seen:
         for k_fmt, v_fmt in _widths():
-            torch.ops.kvq.triton_decode_attention(**native_case(0, k_fmt=k_fmt, v_fmt=v_fmt, blocks=2))
+            attend(native_case(0, k_fmt=k_fmt, v_fmt=v_fmt, blocks=2), torch.ops.kvq.triton_decode_attention)
         for extra in (dict(ratio=1, d=128), dict(ratio=1, d=256, hkv=1), dict(ratio=8, hkv=1), dict(pre_rope=True, softcap=2.5),
                       dict(head_mask=True, dtype=torch.float16), dict(dtype=torch.bfloat16, pre_rope=True)):  # fmt: skip
-            torch.ops.kvq.triton_decode_attention(**native_case(0, k_fmt=KEY, v_fmt=VALUE, blocks=2, **extra))
+            attend(native_case(0, k_fmt=KEY, v_fmt=VALUE, blocks=2, **extra), torch.ops.kvq.triton_decode_attention)
         for k_fmt, v_fmt in [((2, AXIS_CHANNEL, False, 0), (4, AXIS_TOKEN, False, 0)), ((3, AXIS_CHANNEL, True, 1, FIXED),
                              (2, AXIS_TOKEN, True, 2)), ((0, AXIS_TOKEN, False, 0), (8, AXIS_CHANNEL, False, 0))]:  # fmt: skip
             for extra in (dict(), dict(per_query=True, pre_rope=True, softcap=2.0)):
-                torch.ops.kvq.triton_chunk_attention(**streaming_case(0, 5, k_fmt, v_fmt, **extra))
+                attend(streaming_case(0, 5, k_fmt, v_fmt, **extra), torch.ops.kvq.triton_chunk_attention)
         x = torch.randn(1, 2, 32, 64)
         for bits in (2, 3, 4, 8):
             for axis, group in ((AXIS_TOKEN, 32), (AXIS_CHANNEL, 16)):
                 for outliers in (0, 2):
                     lo, hi = (-torch.ones(2, 64), torch.ones(2, 64)) if outliers else (torch.zeros(0), torch.zeros(0))
-                    torch.ops.kvq.triton_quantize(x, bits, axis, group, torch.float16, torch.zeros(0), lo, hi, outliers)
+                    torch.ops.kvq.triton_quantize(x, format_ints(bits, axis, group), torch.float16, torch.zeros(0), lo, hi, outliers)
     return seen
 
 
@@ -106,7 +106,7 @@ def test_the_launches_are_the_ones_the_ops_make():
     """The recorder sees the ops' real arguments: a bool mask reaches the kernels as int1, not as a
     uint8 view (a dtype view of a bool tensor is what CUDA lowering refused in a compiled step)."""
     with recorded_launches(run=False) as seen:
-        torch.ops.kvq.triton_decode_attention(**native_case(0, blocks=2))
+        attend(native_case(0, blocks=2), torch.ops.kvq.triton_decode_attention)
     split = next(launch for launch in seen if launch.kernel == "_decode_split")
     assert dict(split.signature)["mask"] == "*i1"
     assert dict(split.constexprs)["K_BITS"] == 4 and dict(split.constexprs)["V_AXIS"] == AXIS_TOKEN

@@ -16,7 +16,9 @@ from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, sp
 from kvq_ao.quant.rope import rotate, unrotate
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, fixed_range
 
-from attention_cases import attend, attention_case
+from attention_cases import attend, attention_case, dequantize, with_operand
+from kvq_ao.format import FLOAT_BITS, format_ints
+from kvq_ao.kernels.reference import dequantize_operand
 from kvq_ao.ops import reference_arguments
 
 
@@ -59,14 +61,11 @@ def test_dequantize_then_rotate_inside_the_op_equals_attending_rotated_keys(seed
     g = torch.Generator().manual_seed(seed)
     a["side_pos"] = torch.tensor([0, *torch.randperm(63, generator=g)[:3].add(1).tolist(), -1])  # arbitrary positions
     out = attend(a)
-    r = reference_arguments(a)
-    keys = torch.ops.kvq.dequantize(r["k_codes"], r["k_scale"], r["k_zero"], r["k_codebook"], r["k_out_val"],
-                                    r["k_out_idx"], r["k_bits"], r["k_axis"], r["k_group"], torch.float32)  # fmt: skip
+    keys = dequantize_operand(reference_arguments(a)["k"], torch.float32)
     t = keys.shape[2]
-    b = dict(a)
-    b["k_codes"] = rotate(keys, torch.arange(t), a["rope_inv_freq"], a["rope_scale"])
-    b["side_k"] = rotate(a["side_k"], a["side_pos"].clamp(min=0), a["rope_inv_freq"], a["rope_scale"])
-    b["k_bits"], b["k_scale"], b["k_zero"], b["k_codebook"], b["k_out_val"], b["k_out_idx"] = 0, None, None, None, None, None
+    b = with_operand(a, "k", codes=rotate(keys, torch.arange(t), a["rope_inv_freq"], a["rope_scale"]),
+                     side=rotate(a["k"].side, a["side_pos"].clamp(min=0), a["rope_inv_freq"], a["rope_scale"]),
+                     bits=FLOAT_BITS, scale=None, zero=None, codebook=None, out_val=None, out_idx=None)  # fmt: skip
     b["rope_inv_freq"] = None
     want = attend(b)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -172,9 +171,10 @@ def test_quantize_op_with_outliers_reproduces_outliers_and_counts_overflow(bits)
     x[0, 1, 7, 10] = -80.0
     lo, hi = -3 * torch.ones(2, 64), 3 * torch.ones(2, 64)
     codes, scale, zero, out_val, out_idx, clamped = torch.ops.kvq.quantize(
-        x, bits, AXIS_TOKEN, 32, torch.float16, nf_codebook(bits), lo, hi, 2
+        x, format_ints(bits, AXIS_TOKEN, 32), torch.float16, nf_codebook(bits), lo, hi, 2
     )
-    y = torch.ops.kvq.dequantize(codes, scale, zero, nf_codebook(bits), out_val, out_idx, bits, AXIS_TOKEN, 32, torch.float32)
+    y = dequantize(torch.float32, codes=codes, scale=scale, zero=zero, codebook=nf_codebook(bits), out_val=out_val,
+                   out_idx=out_idx, bits=bits, axis=AXIS_TOKEN, group=32)  # fmt: skip
     assert y[0, 1, 7, 10] == -80.0
     assert (y[0, 0, 3, :5] == 50.0).sum() == 2 and y[0, 0, 3, :5].max() == 50.0
     assert int(clamped) >= 3  # the other three 50s (plus any random entry beyond 3 sigma)
@@ -195,7 +195,8 @@ def test_fixed_range_quantization_against_float64(seed, bits, codebook, slots):
     assert (zero.float() <= lo).all() and (zero.double() + scale.double() * (1 if cb.numel() else 2**bits - 1) >= hi.double()).all()
     codes, out_val, out_idx, clamped = torch.ops.kvq.quantize_fixed(x, bits, zero, scale, cb, lo, hi, slots)
     row = lambda m: m[None, :, None, :].expand(2, 3, 1, 64)  # noqa: E731  (the cache's one row per head)
-    y = torch.ops.kvq.dequantize(codes, row(scale), row(zero), cb, out_val, out_idx, bits, AXIS_CHANNEL, 9, torch.float64)
+    y = dequantize(torch.float64, codes=codes, scale=row(scale), zero=row(zero), codebook=cb, out_val=out_val, out_idx=out_idx,
+                   bits=bits, axis=AXIS_CHANNEL, group=9)  # fmt: skip
     dense = torch.minimum(torch.maximum(x.double(), lo.double()[None, :, None]), hi.double()[None, :, None])
     z, s = zero.double()[None, :, None], scale.double()[None, :, None]
     levels = (cb.double() if cb.numel() else torch.arange(2**bits, dtype=torch.float64) / (2**bits - 1) * (2**bits - 1))
@@ -320,15 +321,17 @@ def test_quantize_op_with_vector_outliers_needs_no_thresholds_and_only_the_token
     x = torch.randn(1, 2, 32, 64)
     x[0, 0, 3, 5], x[0, 1, 7, 10] = 50.0, -80.0
     empty = torch.zeros(0)
-    codes, scale, zero, out_val, out_idx, clamped = torch.ops.kvq.quantize(x, 3, AXIS_TOKEN, 32, torch.float16, nf_codebook(3), empty, empty, 1)
-    y = torch.ops.kvq.dequantize(codes, scale, zero, nf_codebook(3), out_val, out_idx, 3, AXIS_TOKEN, 32, torch.float32)
+    codes, scale, zero, out_val, out_idx, clamped = torch.ops.kvq.quantize(x, format_ints(3, AXIS_TOKEN, 32), torch.float16, nf_codebook(3), empty, empty, 1)
+    y = dequantize(torch.float32, codes=codes, scale=scale, zero=zero, codebook=nf_codebook(3), out_val=out_val,
+                   out_idx=out_idx, bits=3, axis=AXIS_TOKEN, group=32)  # fmt: skip
     assert y[0, 0, 3, 5] == 50.0 and y[0, 1, 7, 10] == -80.0 and int(clamped) == 0
     # the outlier no longer sets its group's range: the rest of that vector is quantized finely
-    plain = torch.ops.kvq.quantize(x, 3, AXIS_TOKEN, 32, torch.float16, nf_codebook(3), empty, empty, 0)
-    y0 = torch.ops.kvq.dequantize(*plain[:3], nf_codebook(3), *plain[3:5], 3, AXIS_TOKEN, 32, torch.float32)
+    plain = torch.ops.kvq.quantize(x, format_ints(3, AXIS_TOKEN, 32), torch.float16, nf_codebook(3), empty, empty, 0)
+    y0 = dequantize(torch.float32, codes=plain[0], scale=plain[1], zero=plain[2], codebook=nf_codebook(3), out_val=plain[3],
+                    out_idx=plain[4], bits=3, axis=AXIS_TOKEN, group=32)  # fmt: skip
     assert (y - x)[0, 0, 3].abs().max() < (y0 - x)[0, 0, 3].abs().max() / 4
     with pytest.raises(ValueError, match="per-vector outliers .* per-token axis"):
-        torch.ops.kvq.quantize(x, 3, AXIS_CHANNEL, 32, torch.float16, nf_codebook(3), empty, empty, 1)
+        torch.ops.kvq.quantize(x, format_ints(3, AXIS_CHANNEL, 32), torch.float16, nf_codebook(3), empty, empty, 1)
     with pytest.raises(ValueError, match="outlier_rule 'vector' needs axis 'token'"):
         QuantSpec(3, "channel", 32, "nuq", 0.01, "vector")
     with pytest.raises(ValueError, match="outlier_rule must be one of"):

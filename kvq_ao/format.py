@@ -1,0 +1,192 @@
+"""The one definition of a KV operand: what the kvq ops take for the keys or the values of a layer.
+
+Every implementation of the attention ops (the reference in `kvq_ao.kernels.reference`, the
+native CPU kernel, the ExecuTorch kernel library, the Triton kernels) reads an operand through
+this module, so its fields, their order and the meaning of its numbers are written here once:
+
+* `OPERAND_TENSORS`: the tensors of one operand, in the order the ops' `Tensor?[]` argument
+  lists them. Absent ones are None: scale/zero for a float body, the codebook for uniform
+  levels, out_val/out_idx without outliers.
+* `OPERAND_INTS`: its format numbers, in the order of the ops' `int[]` argument.
+
+The ops' schemas (`kvq_ao.ops`) are built from these names; the C++ kernels get the field
+indices and format constants from a header generated from this module at build time
+(`c_header`), the Triton kernels import them from here. Reordering either tuple changes the
+schema, the header and every binding together (tests/kernels/test_signature.py does it).
+
+Format numbers are encoded with the constants below (this module is the only place that knows
+their values; kernels and the cache ask the predicates):
+
+* bits: 2, 3, 4 or 8 for packed codes, `FLOAT_BITS` for a body that is stored as floats;
+* axis: `AXIS_TOKEN` (each token's channels in groups of `group`) or `AXIS_CHANNEL` (each
+  channel over blocks of `group` tokens);
+* group: a positive group size, or `ONE_ROW` with the channel axis: one calibrated scale/zero
+  row for every position (KVQuant's fixed per-channel key ranges).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+OPERAND_TENSORS: tuple[str, ...] = ("codes", "scale", "zero", "codebook", "out_val", "out_idx", "side")
+OPERAND_INTS: tuple[str, ...] = ("bits", "axis", "group")
+
+AXIS_TOKEN = 0
+AXIS_CHANNEL = 1
+FLOAT_BITS = 0  # `bits` of a float body: codes hold the values themselves, no scale/zero
+ONE_ROW = 0  # `group` of calibrated per-channel ranges: one scale/zero row for every position
+PACKED_BITS = (2, 3, 4, 8)  # the widths of packed codes
+CODEBOOK_BITS = (2, 3, 4)  # the widths a codebook (non-uniform levels) may have
+EMPTY_SLOT = 255  # the channel index of an unused outlier slot: uint8, matches no channel
+MAX_OUTLIER_HEAD_DIM = EMPTY_SLOT - 1  # outlier channel indices must stay below EMPTY_SLOT
+
+
+def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False) -> tuple[int, int, int]:
+    """(bits, axis, group) as the ops take them, from a spec's terms: bits None is a float body,
+    `calibrated_rows` one calibrated scale/zero row for every position (per-channel only)."""
+    return (FLOAT_BITS if bits is None else bits, axis, ONE_ROW if calibrated_rows else group)
+
+
+def is_float(bits: int) -> bool:
+    """Whether an operand of this width is stored as floats (no codes)."""
+    return bits == FLOAT_BITS
+
+
+def is_one_row(axis: int, group: int) -> bool:
+    """Whether a format reads one calibrated scale/zero row for every position."""
+    return axis == AXIS_CHANNEL and group == ONE_ROW
+
+
+def tokens_per_group(axis: int, group: int, tokens: int) -> int:
+    """How many positions share one scale/zero row along the token axis (per-channel formats)."""
+    return max(tokens, 1) if is_one_row(axis, group) else group
+
+
+def check_format(bits: int, axis: int, group: int, allow_float: bool = True) -> None:
+    """Raise a ValueError naming the field when (bits, axis, group) is not a format."""
+    if not (bits in PACKED_BITS or (allow_float and is_float(bits))):
+        raise ValueError(f"kvq: bits must be one of {PACKED_BITS}{f' or {FLOAT_BITS} (float)' if allow_float else ''}, got {bits}")
+    if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
+        raise ValueError(f"kvq: axis must be {AXIS_TOKEN} (token) or {AXIS_CHANNEL} (channel), got {axis}")
+    if group < 0 or (group == ONE_ROW and axis != AXIS_CHANNEL):
+        raise ValueError(f"kvq: group size must be positive (or {ONE_ROW}, one row for every position, with per-channel "
+                         f"groups), got {group}")  # fmt: skip
+
+
+def word_layout(bits: int) -> tuple[int, int]:
+    """(codes per word, bytes per word) of the planar packing (`kvq_ao.quant.packing`)."""
+    if bits not in PACKED_BITS:
+        raise ValueError(f"bits must be one of {PACKED_BITS}, got {bits!r}")
+    word_bits = math.lcm(bits, 8)
+    return word_bits // bits, word_bits // 8
+
+
+def midpoints(codebook):
+    """The decision thresholds between a sorted codebook's neighbouring levels (nearest-level coding)."""
+    return (codebook[1:] + codebook[:-1]) * 0.5
+
+
+def format_ints(bits: int, axis: int, group: int) -> list[int]:
+    """An operand's format numbers as the ops' `int[]` (in `OPERAND_INTS` order)."""
+    values = {"bits": bits, "axis": axis, "group": group}
+    return [int(values[name]) for name in OPERAND_INTS]
+
+
+def format_of(ints) -> tuple[int, int, int]:
+    """(bits, axis, group) of an ops' `int[]` format (a clear error on a wrong length)."""
+    if len(ints) != len(OPERAND_INTS):
+        raise ValueError(f"kvq: a format lists {len(OPERAND_INTS)} ints {OPERAND_INTS}, got {len(ints)}")
+    values = dict(zip(OPERAND_INTS, (int(v) for v in ints)))
+    return values["bits"], values["axis"], values["group"]
+
+
+class Operand:
+    """One operand (K or V) of the attention ops: its tensors and format numbers by name.
+
+    Built by keyword (`Operand(codes=..., ..., group=...)`) or from the ops' lists
+    (`Operand.from_lists`); `lists()` gives them back in schema order. Fields the format does
+    not use are None.
+    """
+
+    __slots__ = OPERAND_TENSORS + OPERAND_INTS
+
+    def __init__(self, **fields: Any) -> None:
+        missing = set(self.__slots__) - set(fields)
+        extra = set(fields) - set(self.__slots__)
+        if missing or extra:
+            raise TypeError(f"Operand needs exactly {self.__slots__}; missing {sorted(missing)}, unexpected {sorted(extra)}")
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    @classmethod
+    def from_lists(cls, tensors, ints, name: str = "operand") -> Operand:
+        """The operand of an op's `Tensor?[]` and `int[]` arguments (a clear error on wrong lengths)."""
+        if len(tensors) != len(OPERAND_TENSORS):
+            raise ValueError(f"kvq: {name} must list {len(OPERAND_TENSORS)} tensors {OPERAND_TENSORS}, got {len(tensors)}")
+        if len(ints) != len(OPERAND_INTS):
+            raise ValueError(f"kvq: {name}_format must list {len(OPERAND_INTS)} ints {OPERAND_INTS}, got {len(ints)}")
+        return cls(**dict(zip(OPERAND_TENSORS, tensors)), **{n: int(v) for n, v in zip(OPERAND_INTS, ints)})
+
+    def lists(self) -> tuple[list, list[int]]:
+        """(tensors, format numbers) in the order of the ops' schema."""
+        return [getattr(self, n) for n in OPERAND_TENSORS], [getattr(self, n) for n in OPERAND_INTS]
+
+    def fields(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in self.__slots__}
+
+    def replace(self, **changes: Any) -> Operand:
+        return Operand(**{**self.fields(), **changes})
+
+    @property
+    def is_float(self) -> bool:
+        return is_float(self.bits)
+
+    @property
+    def n_outliers(self) -> int:
+        return 0 if self.out_val is None else self.out_val.shape[-1]
+
+    def __repr__(self) -> str:
+        shape = tuple(self.codes.shape) if self.codes is not None else None
+        return f"Operand(codes={shape}, bits={self.bits}, axis={self.axis}, group={self.group}, outliers={self.n_outliers})"
+
+
+def c_header() -> str:
+    """The C++ view of this module: operand field indices and format constants, generated into the
+    native kernels' build directory (kernels/cpu), so C++ never retypes them."""
+    lines = [
+        "// Generated from kvq_ao/format.py at build time: the kvq ops' operand lists. Do not edit.",
+        "#pragma once",
+        "#include <cstdint>",
+        "namespace kvq_format {",
+    ]
+    lines += [f"constexpr int {name.upper()} = {i};  // index in an operand's Tensor?[]" for i, name in enumerate(OPERAND_TENSORS)]
+    lines.append(f"constexpr int kTensorFields = {len(OPERAND_TENSORS)};")
+    lines += [f"constexpr int {name.upper()} = {i};  // index in an operand's int[]" for i, name in enumerate(OPERAND_INTS)]
+    lines.append(f"constexpr int kIntFields = {len(OPERAND_INTS)};")
+    lines += [
+        f"constexpr int64_t kAxisToken = {AXIS_TOKEN};",
+        f"constexpr int64_t kAxisChannel = {AXIS_CHANNEL};",
+        f"constexpr int64_t kFloatBits = {FLOAT_BITS};",
+        f"constexpr int64_t kOneRow = {ONE_ROW};",
+        f"constexpr int kMaxOutlierHeadDim = {MAX_OUTLIER_HEAD_DIM};",
+        f"constexpr uint8_t kEmptySlot = {EMPTY_SLOT};",
+        "// The planar packing (kvq_ao.quant.packing): codes per word and bytes per word of each width.",
+        "constexpr int codes_per_word(int64_t bits) { switch (bits) { "
+        + " ".join(f"case {b}: return {word_layout(b)[0]};" for b in PACKED_BITS) + " default: return 0; } }",
+        "constexpr int bytes_per_word(int64_t bits) { switch (bits) { "
+        + " ".join(f"case {b}: return {word_layout(b)[1]};" for b in PACKED_BITS) + " default: return 0; } }",
+        "constexpr int64_t packed_row_bytes(int64_t dim, int64_t bits) { return dim / codes_per_word(bits) * bytes_per_word(bits); }",
+        "constexpr bool is_float(int64_t bits) { return bits == kFloatBits; }",
+        "constexpr bool is_one_row(int64_t axis, int64_t group) { return axis == kAxisChannel && group == kOneRow; }",
+        "constexpr bool is_packed_bits(int64_t bits) { return " + " || ".join(f"bits == {b}" for b in PACKED_BITS) + "; }",
+        f'constexpr const char* kPackedBitsText = "{PACKED_BITS}";',
+        "}  // namespace kvq_format",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "EMPTY_SLOT", "FLOAT_BITS", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
+           "Operand", "PACKED_BITS", "c_header", "check_format", "encode", "format_ints", "format_of", "is_float", "is_one_row", "midpoints", "tokens_per_group",
+           "word_layout"]  # fmt: skip
