@@ -89,6 +89,10 @@ class SegmentedBody:
     def tensors(self):
         return self.store.tensors()
 
+    def operand_fields(self) -> dict:
+        """The local store's operand fields (`_BodyStore.operand_fields`), indexed locally."""
+        return self.store.operand_fields()
+
     def sparse(self):
         return self.store.sparse()
 
