@@ -1,32 +1,37 @@
-"""The GPU path in one prepared run: the Triton decode attention checked against the reference and
-timed against SDPA on a bf16 cache, then a whole decode step, on a CUDA device.
+"""The GPU path in one prepared run: every conformance case on CUDA, decode attention against SDPA
+on the bf16 cache with the bandwidth each reaches, prefill in chunks, and the whole decode step of a
+Llama-3-8B-shaped model compiled with CUDA graphs.
 
-    python benchmarks/gpu.py --out results/gpu.json        # on a machine with a CUDA GPU
-    python benchmarks/gpu.py --dry-run --out /tmp/gpu.json # anywhere: CPU tensors, Triton's interpreter, tiny shapes
+    python benchmarks/gpu.py --out results/gpu              # on a machine with a CUDA GPU (~7 minutes)
+    python benchmarks/gpu.py --quick --out results/gpu      # the same sections at one length each (~3 minutes)
+    python benchmarks/gpu.py --dry-run --out /tmp/gpu       # anywhere: CPU tensors, Triton's interpreter, tiny shapes
 
-Sections, each printing its rows as it goes (all rows in --out, with the device, date and versions):
+Sections, each printing its rows as it goes (all rows in OUT/gpu.json, with the device, date,
+versions, copy bandwidth and the script's time):
 
-1. check: `kvq.triton_decode_attention` against the reference kernel (kernels/reference.py) on the
-   same device, per preset format, batch 2, a length that ends mid-block, a sink and a window in the
-   side store; the largest difference must be within float tolerance, else the run stops. Then
-   `kvq.triton_quantize` (or `kvq.triton_quantize_fixed` for calibrated key ranges) on a block of the
-   preset's keys and values: byte-identical to the reference, else the run stops.
-2. attention: one layer of SmolLM2's shape (9 query heads, 3 kv heads, head_dim 64), batch 1, at each
-   --lengths: the Triton op against `scaled_dot_product_attention` on the bf16 cache (flash or
-   memory-efficient backend), median of CUDA-event timings; the bytes each reads (packed codes,
-   scales, outliers, side store; bf16 K/V for SDPA) and the bandwidth that gives, as a fraction of
-   the device-to-device copy bandwidth measured in the same run (and of the nominal peak when the
-   device is in NOMINAL_GBS).
-3. step: a whole decode step (all 30 layers, eager) of a SmolLM2-shaped model in bf16, fp cache
-   (DynamicCache, SDPA) against kivi-4 and kivi-2 at each --step-lengths. The weights are random and
-   the caches are filled with random keys and values: the step's time does not depend on either,
-   and SmolLM2's weights (a 93 MB GGUF) cannot travel to a lent device machine (64 MiB limit).
+1. conformance: every decode and chunk case of the conformance suite (tests/attention_cases.py:
+   formats, shapes, masks, softcap, dtypes) through `kvq.triton_decode_attention` /
+   `kvq.triton_chunk_attention` on CUDA against the float64 oracle; each preset's format at 4133
+   tokens, batch 2, bf16 against the reference kernel on the same device; `kvq.triton_quantize` (or
+   `_fixed`) byte-identical to the reference. The run stops at the first failure.
+2. attention: one layer's decode attention, SmolLM2's shape (9/3 heads, D 64) at batch 1 and
+   Llama-3-8B's (32/8, D 128) at batch 1 and 8, at --lengths (and 524288 at batch 1), every preset
+   family against SDPA (flash backend) on the bf16 cache: median ms of CUDA-event timings, the bytes
+   each reads (packed codes, scales, outliers, side store; bf16 K/V for SDPA), the bandwidth that
+   gives and its fraction of the device-to-device copy bandwidth measured in the same run.
+3. launch: the split kernel's launch options (warps, pipeline stages) timed on two shapes, so the
+   table in kernels/gpu/triton_ops.py (DECODE_LAUNCH) can be set from a measurement.
+4. prefill: a 32768-token prompt in 2048-token chunks through an 8-layer Llama-3-8B-shaped model
+   (random weights, bf16, batch 1): tokens/s of the bf16 SDPA path and of each preset.
+5. step: the whole decode step of that model at batch 8 and --step-length tokens, compiled with
+   mode="reduce-overhead" (CUDA graphs): a bf16 StaticCache against kvq presets, with the bandwidth
+   model (weight bytes + KV bytes read) / copy bandwidth printed beside each row.
 
-Operands are built without a calibration (so the script needs nothing but this repository):
-a preset's widths, groups and outlier slots are its own, "nuq" levels are replaced by NormalFloat
-levels of the same width (the same kernel path: a codebook lookup), and outlier thresholds (and the
-fixed ranges of calibrated keys, read as one scale/zero row) are set at the per-channel quantiles
-that make about the preset's outlier fraction.
+Operands and models are built without a calibration or real weights (so the script needs nothing
+but this checkout and its wheels): a preset's widths, groups and outlier slots are its own, "nuq"
+levels are replaced by NormalFloat levels of the same width (the same kernel path: a codebook
+lookup), outlier thresholds (and calibrated key ranges) are set at the per-channel quantiles that
+make about the preset's outlier fraction. Decode time does not depend on weights or values.
 """
 
 from __future__ import annotations
@@ -37,14 +42,18 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from common import save_json, stamp
 
-HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (query heads, kv heads, head_dim)
+DRY_SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (4, 2, 64)}  # head_dim 64: the presets' groups
 NOMINAL_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0, "RTX 4090": 1008.0}
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+LAUNCH_OPTIONS = [(4, 1, 255), (8, 1, 255), (8, 1, None), (4, 2, 255), (8, 2, 255), (8, 3, 255)]  # (num_warps, num_stages, maxnreg)
 
 
 # ---------------------------------------------------------------------------------------- operands
@@ -86,27 +95,29 @@ def _channel_ranges(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, tor
     return torch.quantile(sample, fraction / 2, dim=0), torch.quantile(sample, 1 - fraction / 2, dim=0)
 
 
-def layer_arguments(preset: str, batch: int, length: int, capacity: int, device, dtype, seed: int = 0) -> dict:
-    """Named decode-attention arguments for one SmolLM2-shaped layer holding `length` tokens of a
-    preset's format in a cache of `capacity` positions (random N(0, 1) keys and values)."""
+def layer_arguments(preset: str, batch: int, length: int, capacity: int, device, dtype, seed: int = 0, shape=None) -> dict:
+    """Named decode-attention arguments for one layer of `shape` (default SmolLM2's) holding
+    `length` tokens of a preset's format in a cache of `capacity` positions (random N(0, 1) keys
+    and values, drawn on the device)."""
+    HQ, HKV, D = shape or SHAPES["smollm2"]
     from kvq_ao import KVQuantConfig
 
     cfg = KVQuantConfig.preset(preset)
     spec = cfg.default
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     key_group = spec.key.group_size if spec.key.axis == "channel" and not spec.key.calibrated_ranges else 1
     capacity = -(-capacity // key_group) * key_group
-    k = torch.randn(batch, HKV, capacity, D, generator=g).to(device)
-    v = torch.randn(batch, HKV, capacity, D, generator=g).to(device)
+    k = torch.randn(batch, HKV, capacity, D, generator=g, device=device)
+    v = torch.randn(batch, HKV, capacity, D, generator=g, device=device)
     scale_dtype = getattr(torch, cfg.scale_dtype)
-    named = {"q": torch.randn(batch, HQ, 1, D, generator=g).to(device, dtype)}
+    named = {"q": torch.randn(batch, HQ, 1, D, generator=g, device=device).to(dtype)}
     # the body holds whole key groups behind the window; the side store the sink and the rest
     window = max(cfg.residual_length, 1)
     body_end = max(cfg.sink_tokens, (length - window) // key_group * key_group)
     side_pos = list(range(cfg.sink_tokens)) + list(range(body_end, length))
     n_side = len(side_pos)
-    named["k"] = _operand(k, torch.randn(batch, HKV, n_side, D, generator=g).to(device), spec.key, scale_dtype, dtype)
-    named["v"] = _operand(v, torch.randn(batch, HKV, n_side, D, generator=g).to(device), spec.value, scale_dtype, dtype)
+    named["k"] = _operand(k, torch.randn(batch, HKV, n_side, D, generator=g, device=device), spec.key, scale_dtype, dtype)
+    named["v"] = _operand(v, torch.randn(batch, HKV, n_side, D, generator=g, device=device), spec.value, scale_dtype, dtype)
     named.update(
         side_pos=torch.tensor(side_pos, dtype=torch.int64, device=device),
         body_end=torch.tensor(body_end, dtype=torch.int64, device=device),
@@ -185,7 +196,39 @@ def sdpa_context(device):
 
 
 # ---------------------------------------------------------------------------------------- sections
-def check(args, device, dtype, emit) -> None:
+def conformance(args, device, emit) -> None:
+    """The conformance suite's cases on `device`, then the presets' formats in bf16 and quantize."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from attention_cases import (CHUNK_CASES, DECODE_CASES, attend, chunk_case, decode_case, expected_streaming, map_tensors,
+                                 reference_attention)  # fmt: skip
+    from attention_cases import TOLERANCE as CASE_TOLERANCE
+
+    from kvq_ao import masks
+
+    def run(kind: str, case_id: str, named: dict, want: torch.Tensor, tol: float) -> None:
+        op = torch.ops.kvq.triton_decode_attention if kind == "decode" else torch.ops.kvq.triton_chunk_attention
+        got = attend(map_tensors(named, lambda t: t.to(device)), op).cpu()
+        diff = (got.double() - want).abs().max().item()
+        ok = diff <= tol * max(1.0, want.abs().max().item())
+        emit(dict(section="conformance", case=f"{kind}:{case_id}", dtype=str(named["q"].dtype), max_abs_diff=diff, ok=ok))
+        if not ok:
+            raise SystemExit(f"the Triton {kind} attention fails conformance case {case_id}: max |diff| {diff:.3g}")
+
+    decode_ids, chunk_ids = list(DECODE_CASES), list(CHUNK_CASES)
+    if args.dry_run:  # the interpreter: a few of each (tests/kernels/test_conformance.py runs them all on CI)
+        decode_ids, chunk_ids = decode_ids[:3], chunk_ids[:1]
+    for case_id in decode_ids:
+        named = decode_case(case_id)
+        run("decode", case_id, named, reference_attention(named), CASE_TOLERANCE[named["q"].dtype])
+    for case_id in chunk_ids:
+        named = chunk_case(case_id)
+        want = expected_streaming(named)
+        run("chunk", case_id + "/bounds", named, want, 2e-5)
+        run("chunk", case_id + "/dense", dict(named, mask=masks.dense(named["mask"], named["k"].codes.shape[2])), want, 2e-5)
+    check_presets(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32, emit)
+
+
+def check_presets(args, device, dtype, emit) -> None:
     from kvq_ao.kernels import reference
     from kvq_ao.ops import reference_arguments
 
@@ -205,6 +248,7 @@ def check(args, device, dtype, emit) -> None:
 
 
 def quantize_differences(preset: str, device) -> list[str]:
+    HKV, D = SHAPES["smollm2"][1:]
     """The fields of `kvq.triton_quantize` that are not byte-identical to the reference quantize,
     for a block of a preset's keys and values (float32 input, so no two entries tie)."""
     from kvq_ao import KVQuantConfig
@@ -237,109 +281,190 @@ def quantize_differences(preset: str, device) -> list[str]:
     return differing
 
 
-def attention(args, device, dtype, gbs: float, nominal: float | None, emit) -> None:
-    for n in [int(x) for x in args.lengths.split(",")]:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        q = torch.randn(1, HQ, 1, D, generator=g).to(device, torch.bfloat16)
-        k = torch.randn(1, HKV, n, D, generator=g).to(device, torch.bfloat16)
-        v = torch.randn(1, HKV, n, D, generator=g).to(device, torch.bfloat16)
+def attention_grid(args) -> list[tuple[str, int, int]]:
+    """(shape, batch, tokens) rows of the attention section."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.quick:
+        return [("smollm2", 1, lengths[-1]), ("llama3-8b", 8, lengths[-1])]
+    rows = [(shape, 1, n) for shape in ("smollm2", "llama3-8b") for n in lengths + [args.long_length]]
+    return rows + [("llama3-8b", 8, n) for n in lengths]
+
+
+def attention(args, device, dtype, gbs: float, emit) -> None:
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    for shape_name, batch, n in attention_grid(args):
+        hq, hkv, d = shapes[shape_name]
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(batch, hq, 1, d, generator=g, device=device).to(torch.bfloat16)
+        k = torch.randn(batch, hkv, n, d, generator=g, device=device).to(torch.bfloat16)
+        v = torch.randn(batch, hkv, n, d, generator=g, device=device).to(torch.bfloat16)
         with sdpa_context(device):
             once = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
             sdpa = median_ms(once, device, args.repeats)
         rows = [("sdpa-bf16", sdpa, k.nbytes + v.nbytes)]
         k = v = None
         for preset in args.presets.split(","):
-            named = layer_arguments(preset, 1, n, n, device, dtype)
+            named = layer_arguments(preset, batch, n, n, device, dtype, shape=shapes[shape_name])
             ms = median_ms(lambda: torch.ops.kvq.triton_decode_attention(**op_args(named)), device, args.repeats)
             rows.append((preset, ms, bytes_read(named)))
             named = None
         for fmt, ms, nbytes in rows:
             achieved = nbytes / (ms / 1000) / 1e9
-            emit(dict(section="attention", format=fmt, tokens=n, ms=ms, mib_read=nbytes / 2**20, gbs=achieved,
-                      of_copy_bw=achieved / gbs, of_nominal_bw=achieved / nominal if nominal else None,
-                      vs_sdpa=sdpa / ms))  # fmt: skip
+            emit(dict(section="attention", shape=shape_name, batch=batch, format=fmt, tokens=n, ms=ms, mib_read=nbytes / 2**20,
+                      gbs=achieved, of_copy_bw=achieved / gbs, vs_sdpa=sdpa / ms))  # fmt: skip
 
 
-def smollm2_shaped(layers: int, device, dtype):
-    """A Llama model of SmolLM2-135M's shape (or fewer layers) with random weights."""
+def launch(args, device, dtype, emit) -> None:
+    """The split kernel under each LAUNCH_OPTIONS entry, for the first and last presets."""
+    from kvq_ao.kernels.gpu import triton_ops
+
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    n = [int(x) for x in args.lengths.split(",")][-1]
+    chosen = dict(triton_ops.DECODE_LAUNCH)
+    presets = args.presets.split(",")
+    try:
+        for shape_name, batch in (("smollm2", 1), ("llama3-8b", 8)):
+            for preset in dict.fromkeys([presets[0], presets[-1]]):
+                named = layer_arguments(preset, batch, n, n, device, dtype, shape=shapes[shape_name])
+                for warps, stages, maxnreg in LAUNCH_OPTIONS[:2] if args.dry_run else LAUNCH_OPTIONS:
+                    triton_ops.DECODE_LAUNCH.clear()
+                    triton_ops.DECODE_LAUNCH.update(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+                    ms = median_ms(lambda: torch.ops.kvq.triton_decode_attention(**op_args(named)), device, args.repeats)
+                    emit(dict(section="launch", shape=shape_name, batch=batch, format=preset, tokens=n, num_warps=warps,
+                              num_stages=stages, maxnreg=maxnreg, ms=ms, gbs=bytes_read(named) / (ms / 1000) / 1e9,
+                              current=dict(triton_ops.DECODE_LAUNCH) == chosen))  # fmt: skip
+    finally:
+        triton_ops.DECODE_LAUNCH.clear()
+        triton_ops.DECODE_LAUNCH.update(chosen)
+
+
+def llama3_shaped(layers: int, device, dtype, dry_run: bool):
+    """A Llama model of Llama-3-8B's shape (or a tiny one for dry runs) with `layers` layers and random
+    weights, initialized on the device."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    hq, hkv, d = (DRY_SHAPES if dry_run else SHAPES)["llama3-8b"]
+    size = dict(vocab_size=512, hidden_size=hq * d, intermediate_size=512) if dry_run else \
+        dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336)  # fmt: skip
+    cfg = LlamaConfig(num_hidden_layers=layers, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+                      max_position_embeddings=1 << 20, rope_theta=500000.0, **size)  # fmt: skip
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True)  # fmt: skip
-    return LlamaForCausalLM(cfg).to(device, dtype).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
 
 
-def filled_cache(model, preset: str, n: int, steps: int, device, dtype):
-    """A cache holding n random tokens in every layer (room for `steps` more)."""
-    from transformers import DynamicCache
-
+def prefill(args, device, dtype, emit) -> None:
     from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    if preset == "fp":
-        cache = DynamicCache(config=model.config)
-    else:
-        quantize_kv_(model, KVQuantConfig.preset(preset))
-        cache = make_cache(model, model.kvq_config, reserve=n + steps)
-    chunk = 4096
-    for i in range(model.config.num_hidden_layers):
-        for s in range(0, n, chunk):
-            size = min(chunk, n - s)
-            k = torch.randn(1, HKV, size, D, generator=g).to(device, dtype)
-            v = torch.randn(1, HKV, size, D, generator=g).to(device, dtype)
-            if preset == "fp":
-                cache.update(k, v, i)
-            else:
-                cache.layers[i].update(k, v)
-    return cache
+    n, chunk = args.prefill_length, args.prefill_chunk
+    ids = torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
+    base = None
+    for preset in ["bf16-sdpa", *args.step_presets.split(",")]:
+        model = llama3_shaped(args.layers, device, dtype, args.dry_run)
+        if preset != "bf16-sdpa":
+            cfg = KVQuantConfig.preset(preset)
+            quantize_kv_(model, cfg)
 
+        def run(tokens: torch.Tensor) -> None:
+            from transformers import DynamicCache
 
-def step(args, device, dtype, emit) -> None:
-    from kvq_ao.api import ATTN_NAME
-
-    model = smollm2_shaped(args.layers, device, dtype)
-    token = torch.tensor([[17]], device=device)
-    for n in [int(x) for x in args.step_lengths.split(",")]:
-        base = None
-        for preset in ["fp", *args.step_presets.split(",")]:
-            if preset == "fp" and model.config._attn_implementation == ATTN_NAME:
-                model.set_attn_implementation(model._kvq_previous_attn)
-            cache = filled_cache(model, preset, n, args.steps + 1, device, dtype)
-            position = torch.tensor([[n]], device=device)
-            once = timer(device)
+            cache = DynamicCache(config=model.config) if preset == "bf16-sdpa" else make_cache(model, cfg, reserve=tokens.shape[1])
             with torch.no_grad():
-                model(token, cache=cache, position_ids=position)  # warm-up
-                times = []
-                for i in range(args.steps):
-                    times.append(once(lambda: model(token, cache=cache, position_ids=position + 1 + i)))
-            ms = statistics.median(times)
-            base = ms if preset == "fp" else base
-            emit(dict(section="step", format=preset, tokens=n, layers=args.layers, ms=ms,
-                      vs_fp=base / ms if base else None))  # fmt: skip
-            cache = None
+                for s in range(0, tokens.shape[1], chunk):
+                    part = tokens[:, s : s + chunk]
+                    model(part, cache=cache, position_ids=torch.arange(s, s + part.shape[1], device=device)[None], logits_to_keep=1)
+
+        run(ids[:, : 2 * chunk])  # warm-up: kernels compiled
+        ms = timer(device)(lambda: run(ids))
+        base = ms if preset == "bf16-sdpa" else base
+        emit(dict(section="prefill", format=preset, tokens=n, chunk=chunk, layers=args.layers, ms=ms,
+                  tokens_per_s=n / (ms / 1000), vs_bf16=base / ms))  # fmt: skip
+        model = None
+
+
+def step(args, device, dtype, gbs: float, emit) -> None:
+    """The compiled decode step at batch --step-batch over --step-length tokens, with its bandwidth model."""
+    from transformers import StaticCache
+
+    from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+    from kvq_ao.memory import estimate
+
+    n, batch, steps = args.step_length, args.step_batch, args.steps
+    hq, hkv, d = (DRY_SHAPES if args.dry_run else SHAPES)["llama3-8b"]
+    base = None
+    for preset in ["bf16-static", *args.step_presets.split(",")]:
+        model = llama3_shaped(args.layers, device, dtype, args.dry_run)
+        weights = sum(p.nbytes for name, p in model.named_parameters() if "embed_tokens" not in name)
+        if preset == "bf16-static":
+            cache = StaticCache(config=model.config, max_cache_len=n + steps + 4)
+            kv_bytes = 2 * args.layers * batch * hkv * n * d * 2
+        else:
+            cfg = KVQuantConfig.preset(preset)
+            quantize_kv_(model, cfg)
+            cache = make_cache(model, cfg, reserve=n + steps + 4)
+            kv_bytes = estimate(cfg, args.layers, hkv, d, n, batch=batch, dtype=dtype).bytes
+        g = torch.Generator(device=device).manual_seed(0)
+        for layer in range(args.layers):  # n random keys and values in every layer
+            for s in range(0, n, 4096):
+                size = min(4096, n - s)
+                k = torch.randn(batch, hkv, size, d, generator=g, device=device).to(dtype)
+                v = torch.randn(batch, hkv, size, d, generator=g, device=device).to(dtype)
+                if preset == "bf16-static":
+                    cache.update(k, v, layer, {"cache_position": torch.arange(s, s + size, device=device)})
+                else:
+                    cache.layers[layer].update(k, v)
+        token = torch.full((batch, 1), 17, device=device)
+
+        def one(pos: torch.Tensor):  # pos [batch, 1]: a tensor, so every step runs the same graph
+            return model(token, cache=cache, position_ids=pos, cache_position=pos[0]).logits
+
+        compiled = torch.compile(one, fullgraph=True, **(dict(backend="eager") if args.dry_run else dict(mode="reduce-overhead")))
+        once = timer(device)
+        with torch.no_grad():
+            positions = [torch.full((batch, 1), n + i, device=device) for i in range(steps + 3)]
+            for i in range(3):  # compile, record the CUDA graph, replay
+                compiled(positions[i])
+            times = [once(lambda: compiled(positions[3 + i])) for i in range(steps)]
+        ms = statistics.median(times)
+        model_ms = (weights + kv_bytes) / (gbs * 1e9) * 1000
+        base = ms if preset == "bf16-static" else base
+        emit(dict(section="step", format=preset, tokens=n, batch=batch, layers=args.layers, ms=ms, vs_bf16=base / ms,
+                  model_ms=model_ms, of_model=model_ms / ms, weight_mib=weights / 2**20, kv_mib=kv_bytes / 2**20))  # fmt: skip
+        model = cache = compiled = None
+        torch._dynamo.reset()
 
 
 def main() -> None:
+    started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU tensors in Triton's interpreter, tiny shapes (for CI)")
-    p.add_argument("--presets", default="kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct")
+    p.add_argument("--quick", action="store_true", help="one length per section, fewer repeats (~3 minutes on a GPU)")
+    p.add_argument("--presets", default="int8,kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct")
     p.add_argument("--lengths", default="8192,32768,131072")
-    p.add_argument("--step-lengths", default="8192,32768,131072")
-    p.add_argument("--step-presets", default="kivi-4,kivi-2")
-    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--long-length", type=int, default=524288, help="the batch-1 rows' longest context")
+    p.add_argument("--step-presets", default="kivi-4,kivi-2,kvquant-3-1pct")
+    p.add_argument("--step-length", type=int, default=32768)
+    p.add_argument("--step-batch", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill-length", type=int, default=32768)
+    p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--check-length", type=int, default=4133)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--sections", default="check,attention,step")
-    p.add_argument("--out", default="results/gpu.json")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--sections", default="conformance,attention,launch,prefill,step")
+    p.add_argument("--out", default="results/gpu", help="folder for gpu.json")
     args = p.parse_args()
     from kvq_ao.kernels import gpu
 
+    if args.quick:
+        args.lengths, args.repeats, args.steps = "32768", 10, 10
+        args.step_presets = ",".join(args.step_presets.split(",")[:2])
     if args.dry_run:
-        args.lengths, args.step_lengths, args.check_length = "400", "200", 300
+        args.lengths, args.long_length, args.check_length = "400", 600, 300
+        args.step_length, args.step_batch, args.prefill_length, args.prefill_chunk = 200, 2, 256, 128
         args.layers, args.steps, args.repeats = 2, 2, 2
+        args.presets, args.step_presets = "kivi-4,kvquant-3-1pct", "kivi-2"
         device, context, copy_mib = torch.device("cpu"), gpu.on_cpu(), 64
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run to check the script on CPU (Triton's interpreter)")
@@ -349,26 +474,37 @@ def main() -> None:
         device, context, copy_mib = torch.device("cuda"), contextlib.nullcontext(), 2048
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     nominal = next((bw for key, bw in NOMINAL_GBS.items() if key in name), None)
+    out = Path(args.out) / "gpu.json"
     rows: list[dict] = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    import triton
+
     with context:
         gbs = copy_gbs(device, copy_mib)
-        header = stamp(device=name, dry_run=args.dry_run, torch=torch.__version__, copy_gbs=gbs, nominal_gbs=nominal,
-                       command=" ".join(["benchmarks/gpu.py", *sys.argv[1:]]))  # fmt: skip
+        header = stamp(device=name, dry_run=args.dry_run, quick=args.quick, torch=torch.__version__, triton=triton.__version__,
+                       copy_gbs=gbs, nominal_gbs=nominal, command=" ".join(["benchmarks/gpu.py", *sys.argv[1:]]))  # fmt: skip
         print(f"{name}: copy bandwidth {gbs:.0f} GB/s" + (f", nominal {nominal:.0f} GB/s" if nominal else ""), flush=True)
 
         def emit(row: dict) -> None:
+            row = {**row, "elapsed_s": round(time.perf_counter() - started, 1)}
             rows.append(row)
             print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-            save_json(args.out, {**header, "rows": rows})
+            save_json(out, {**header, "rows": rows})
 
         sections = args.sections.split(",")
-        if "check" in sections:
-            check(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32, emit)
+        if "conformance" in sections:
+            conformance(args, device, emit)
         if "attention" in sections:
-            attention(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32, gbs, nominal, emit)
+            attention(args, device, dtype, gbs, emit)
+        if "launch" in sections:
+            launch(args, device, dtype, emit)
+        if "prefill" in sections:
+            prefill(args, device, dtype, emit)
         if "step" in sections:
-            step(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32, emit)
-    save_json(args.out, {**header, "rows": rows})
+            step(args, device, dtype, gbs, emit)
+    total = time.perf_counter() - started
+    save_json(out, {**header, "seconds": total, "rows": rows})
+    print(f"done in {total:.0f} s: {out}", flush=True)
 
 
 if __name__ == "__main__":

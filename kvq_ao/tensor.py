@@ -180,13 +180,12 @@ def attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, mask: t
               softcap: float = 0.0) -> torch.Tensor:  # fmt: skip
     """Attention of query [B, Hq, Tq, D] over quantized keys and values -> [B, Hq, Tq, Dv]:
     `kvq.decode_attention` for one query token (the native kernel on CPU), else `kvq.chunk_attention`;
-    on CUDA, once triton is loaded, their Triton twins `kvq.triton_decode_attention` and
-    `kvq.triton_chunk_attention`."""
-    triton = gpu_kernels.serves(query.device)
+    on CUDA, once triton is loaded, their Triton twins `kvq.triton_decode_attention` (where its tiles
+    take the head_dim and groups: `kvq_ao.kernels.gpu.decode_op`) and `kvq.triton_chunk_attention`."""
     if query.shape[2] == 1:
-        op = torch.ops.kvq.triton_decode_attention if triton else torch.ops.kvq.decode_attention
+        op = gpu_kernels.decode_op(query, key, value)
     else:
-        op = torch.ops.kvq.triton_chunk_attention if triton else torch.ops.kvq.chunk_attention
+        op = torch.ops.kvq.triton_chunk_attention if gpu_kernels.serves(query.device) else torch.ops.kvq.chunk_attention
     return op(**attention_arguments(query, key, value, mask, scaling, softcap))
 
 

@@ -2,7 +2,10 @@
 the op, native-kernel, Triton, compile and KVQuant tests."""
 
 import torch
-from hypothesis import strategies as st
+try:  # the random cases' strategies; benchmarks/gpu.py imports the fixed cases on GPU images without hypothesis
+    from hypothesis import strategies as st
+except ImportError:
+    st = None
 
 from kvq_ao import masks
 from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, Operand, format_ints
@@ -203,7 +206,7 @@ def native_case(seed, *, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_T
     return named
 
 
-FORMATS = st.tuples(
+FORMATS = st and st.tuples(
     st.sampled_from([0, 2, 3, 4, 8]),  # bits (0: a float body)
     st.sampled_from([AXIS_TOKEN, AXIS_CHANNEL]),
     st.sampled_from([8, 16, FIXED]),  # group (FIXED: calibrated per-channel ranges)
@@ -278,3 +281,58 @@ def quantize_case(seed, bits, axis, group, codebook, outliers, dtype=torch.float
         lo, hi = -1.5 * torch.ones(3, 64), 1.5 * torch.ones(3, 64)
     k = {"none": 0, "channel": 2, "vector": 2}[outliers]
     return x, format_ints(bits, axis, group), nf_codebook(bits) if codebook else torch.zeros(0), lo, hi, k
+
+
+# ------------------------------------------------------------------- the conformance suite's cases
+# (tests/kernels/test_conformance.py runs them on every backend here; benchmarks/gpu.py on CUDA)
+K4, V4 = (4, AXIS_CHANNEL, 16, False, 0), (4, AXIS_TOKEN, 16, False, 0)
+DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks, softcap, dtypes
+    **{f"k{b}v{b}-{'codebook' if cb else 'uniform'}": dict(k_fmt=(b, AXIS_CHANNEL, 16, cb, 0), v_fmt=(b, AXIS_TOKEN, 16, cb, 0))
+       for b in (2, 3, 4, 8) for cb in ((False, True) if b <= 4 else (False,))},
+    "float-bodies": dict(k_fmt=(0, AXIS_TOKEN, 16, False, 0), v_fmt=(0, AXIS_TOKEN, 16, False, 0)),
+    "calibrated-key-rows": dict(k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(3, AXIS_TOKEN, 64, False, 1), pre_rope=True),
+    "calibrated-key-rows-uniform": dict(k_fmt=(2, AXIS_CHANNEL, FIXED, False, 0), blocks=9),
+    "outlier-slots": dict(k_fmt=(4, AXIS_CHANNEL, 16, False, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1)),
+    "per-token-keys-per-channel-values": dict(k_fmt=(4, AXIS_TOKEN, 16, False, 1), v_fmt=(4, AXIS_CHANNEL, 16, False, 0)),
+    "k8v2-g32": dict(k_fmt=(8, AXIS_CHANNEL, 32, False, 0), v_fmt=(2, AXIS_TOKEN, 32, False, 0), blocks=4),
+    "k2v8-g32": dict(k_fmt=(2, AXIS_CHANNEL, 32, False, 0), v_fmt=(8, AXIS_TOKEN, 32, False, 0), blocks=6),
+    "pre-rope-codebook-outliers": dict(k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(3, AXIS_TOKEN, 16, True, 1), pre_rope=True),
+    **{f"pre-rope-k{b}-{'codebook' if cb else 'uniform'}-outliers": dict(  # scale rows change mid-tile, a tile cut short
+        k_fmt=(b, AXIS_CHANNEL, 16, cb, 2 if cb else 3), v_fmt=(b, AXIS_TOKEN, 8, cb, 1), pre_rope=True, blocks=9,
+        body_end=16 * 9 - 5, head_mask=True, d=128 if b == 8 else 64) for b in (2, 3, 4, 8) for cb in (False, True)},
+    "gqa1-d128": dict(ratio=1, d=128, k_fmt=K4, v_fmt=V4),
+    "gqa3-d128-many-blocks": dict(hkv=1, batch=1, ratio=3, d=128, blocks=52, k_fmt=(2, AXIS_CHANNEL, 16, False, 0),
+                                  v_fmt=(2, AXIS_TOKEN, 16, False, 0)),
+    "gqa8-d64": dict(ratio=8, hkv=1, k_fmt=K4, v_fmt=V4),
+    "gqa3-d256": dict(ratio=3, hkv=1, d=256, k_fmt=(2, AXIS_CHANNEL, 16, False, 0), v_fmt=(2, AXIS_TOKEN, 16, False, 0)),
+    "many-tiles": dict(hkv=2, ratio=3, blocks=74, k_fmt=(2, AXIS_CHANNEL, 16, False, 0), v_fmt=(2, AXIS_TOKEN, 16, False, 0)),
+    "left-padding-window-head-mask": dict(left_pad=21, window=40, head_mask=True),
+    "side-empty": dict(side="empty"),
+    "side-full": dict(side="full"),
+    "softcap": dict(softcap=2.5, pre_rope=True),
+    "float16": dict(dtype=torch.float16, head_mask=True),
+    "bfloat16": dict(dtype=torch.bfloat16, pre_rope=True, k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1)),
+}
+
+
+def decode_case(case_id: str) -> dict:
+    return native_case(sum(map(ord, case_id)) % 1000, **DECODE_CASES[case_id])
+
+
+CHUNK_CASES = {  # id -> streaming_case arguments (tq, k format, v format, keywords)
+    "causal-k2-v4": (5, STREAM_FORMATS[1], STREAM_FORMATS[3], {}),
+    "per-query-ends-pre-rope": (33, STREAM_FORMATS[2], STREAM_FORMATS[3], dict(per_query=True, pre_rope=True)),
+    "window-padding-softcap": (16, STREAM_FORMATS[6], STREAM_FORMATS[4], dict(window=9, pad=(0, 3), softcap=5.0)),
+    "calibrated-key-rows": (21, STREAM_FORMATS[7], STREAM_FORMATS[3], dict(length=200, pre_rope=True, per_query=True)),
+    "calibrated-key-rows-uniform": (5, STREAM_FORMATS[8], STREAM_FORMATS[4], {}),
+    "float-bodies-gqa8": (5, STREAM_FORMATS[0], STREAM_FORMATS[0], dict(hq=8, hkv=1)),
+    "k8-gqa1": (2, STREAM_FORMATS[5], STREAM_FORMATS[3], dict(hq=2, hkv=2, pad=(20, 0))),
+    "many-blocks": (40, STREAM_FORMATS[2], STREAM_FORMATS[3], dict(length=300, pre_rope=True, per_query=True)),
+}
+
+
+def chunk_case(case_id: str) -> dict:
+    tq, k_fmt, v_fmt, kw = CHUNK_CASES[case_id]
+    return streaming_case(sum(map(ord, case_id)) % 1000, tq, k_fmt, v_fmt, **kw)
+
+

@@ -1,9 +1,10 @@
 """GPU kernels of the kvq ops, in Triton.
 
-`triton_attention.py` holds the kernels: one-token decode attention (flash-decoding over the packed
-cache, split over tokens, merged with the side store) and multi-token chunk attention (tiles of
-queries x the query heads of a kv head, streaming the body block by block with an online softmax,
-masks as key-position bounds or dense). `triton_ops.py` registers them as
+`triton_decode.py` holds one-token decode attention (flash-decoding over the packed cache, split over
+tokens, read in wide loads with scales once per group, GQA heads as tensor-core matrix rows, merged
+with the side store); `triton_attention.py` multi-token chunk attention (tiles of queries x the query
+heads of a kv head, streaming the body block by block with an online softmax, masks as key-position
+bounds or dense). `triton_ops.py` registers them as
 `kvq::triton_decode_attention` and `kvq::triton_chunk_attention`, `torch.library.triton_op`s with
 exactly the arguments of `kvq::decode_attention` / `kvq::chunk_attention`, so that torch.compile
 traces into the kernel launches instead of calling an opaque op.
@@ -28,7 +29,8 @@ import importlib.util
 
 import torch
 
-_STATE: dict = {"loaded": False, "cpu": False, "quantize_supported": None, "quantize_fixed_supported": None}
+_STATE: dict = {"loaded": False, "cpu": False, "quantize_supported": None, "quantize_fixed_supported": None,
+                "decode_supported": None}
 
 
 def available() -> bool:
@@ -41,14 +43,28 @@ def load() -> bool:
     if not _STATE["loaded"] and available():
         from kvq_ao.kernels.gpu import triton_ops  # registers the kvq::triton_* ops
 
+        from kvq_ao.kernels.gpu import triton_decode
+
         _STATE.update(loaded=True, quantize_supported=triton_ops.quantize_supported,
-                      quantize_fixed_supported=triton_ops.quantize_fixed_supported)  # fmt: skip
+                      quantize_fixed_supported=triton_ops.quantize_fixed_supported, decode_supported=triton_decode.supported)  # fmt: skip
     return _STATE["loaded"]
 
 
 def serves(device: torch.device) -> bool:
     """Whether the Triton attention ops serve tensors on `device`."""
     return _STATE["loaded"] and (device.type == "cuda" or (device.type == "cpu" and _STATE["cpu"]))
+
+
+def decode_op(query: torch.Tensor, key, value):
+    """The op for one query token over quantized `key` and `value` (QuantizedKV):
+    `kvq.triton_decode_attention` where the Triton kernels serve the device and its tiles take the
+    shapes (power-of-two head_dim >= 32 and groups), else `kvq.decode_attention`."""
+    if serves(query.device):
+        fits = _STATE["decode_supported"]
+        if fits(query.shape[-1], key.group, value.group, key.bits, value.bits) and \
+                fits(value.side.shape[-1], key.group, value.group, key.bits, value.bits):  # fmt: skip
+            return torch.ops.kvq.triton_decode_attention
+    return torch.ops.kvq.decode_attention
 
 
 def quantize_op(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype):
@@ -81,4 +97,4 @@ def on_cpu():
         _STATE["cpu"] = before
 
 
-__all__ = ["available", "load", "on_cpu", "quantize_fixed_op", "quantize_op", "serves"]
+__all__ = ["available", "decode_op", "load", "on_cpu", "quantize_fixed_op", "quantize_op", "serves"]

@@ -1,19 +1,12 @@
-"""Triton kernels of decode attention over the packed cache (flash-decoding, split over tokens).
+"""Triton chunk attention over the packed cache, and the helpers the decode kernels share.
 
-One query token attends a layer's cache straight from its packed codes; no float K/V is ever
-written. Two kernels, as flash-decoding does it:
-
-* `_decode_split`: program (b * Hkv + h, split) walks the body's token blocks split, split + S,
-  split + 2S, ... (interleaved, so every split gets an equal share of however much of the
-  capacity is filled: the filled length is a device tensor, never read on the host, so the launch
-  needs no synchronization and CUDA graphs can capture it). Each block is unpacked and
-  dequantized in registers (uniform or codebook levels, per-token or per-channel groups, outlier
-  slots, pre-RoPE keys rotated at their positions) and attended by all n query heads that share
-  the kv head (GQA: one read of K/V for the group), with an online softmax; the program writes its
-  running max, sum of exponentials and weighted sum.
-* `_decode_merge`: program (b * Hkv + h) merges the splits by log-sum-exp, attends the
-  full-precision side store (sink and recent window, the entries outside the body's readable
-  range), normalizes and writes the output in the model's dtype.
+`_chunk_attention` serves several query tokens at once (a prefill chunk, speculative or batched
+steps): program (b * Hkv + h, tile) holds BLOCK_Q queries of each of the N query heads sharing the
+kv head as the rows of one matrix, streams the body block by block (unpacked and dequantized in
+registers: uniform or codebook levels, per-token or per-channel groups, outlier slots, pre-RoPE keys
+rotated at their positions) with an online softmax whose products are tensor-core `tl.dot`s, then
+the side store. Masks are key-position bounds [lo, hi) per query or dense. The decode kernels
+(`triton_decode.py`) share the small helpers below.
 
 Keys are handled as two halves of head_dim, [0, D/2) and [D/2, D): RoPE rotates channel i with
 channel i + D/2 (transformers' `rotate_half`), so with halves the rotation is elementwise.
@@ -194,98 +187,6 @@ def _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _decode_split(
-    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx,
-    v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx,
-    mask, inv_freq, body_end, part_m, part_l, part_acc,
-    body_start, T, HKV, HQ, n_splits, scaling, rope_scale, softcap,
-    N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr,
-    DV: tl.constexpr, BDV: tl.constexpr, MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-    K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
-    V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    row = pid.to(tl.int64)  # b * HKV + h: the operand row of this kv head
-    b = pid // HKV
-    heads = tl.arange(0, NP)
-    ok_h = heads < N
-    qh = (pid % HKV) * N + heads  # the query heads reading this kv head
-    dh = tl.arange(0, DH)
-    ok_dh = dh < HALF
-    dv = tl.arange(0, BDV)
-    ok_dv = dv < DV
-    q1, q2 = _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D, HALF)
-    end = tl.load(body_end)
-    m = tl.full([NP], float("-inf"), tl.float32)
-    l = tl.full([NP], 0.0, tl.float32)
-    acc = tl.full([NP, BDV], 0.0, tl.float32)
-    for blk in range(body_start // BLOCK_T + split, (end + BLOCK_T - 1) // BLOCK_T, n_splits):
-        t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok_t = (t >= body_start) & (t < end)
-        allow = _allowed(mask, b, qh, ok_h, t, ok_t, T, HQ, MASK_HEADS)
-        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
-                            rope_scale, D, HALF, PRE_ROPE, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        s = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
-        v = _dequant(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
-                     DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
-        m, l, acc = _softmax_step(m, l, acc, s, v)
-    part = (row * n_splits + split) * NP + heads
-    tl.store(part_m + part, m)
-    tl.store(part_l + part, l)
-    tl.store(part_acc + part[:, None] * BDV + dv[None, :], acc)
-
-
-@triton.jit
-def _decode_merge(
-    q, side_k, side_v, side_pos, mask, inv_freq, body_end, part_m, part_l, part_acc, out,
-    body_start, T, S, HKV, HQ, n_splits, scaling, rope_scale, softcap,
-    N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr,
-    DV: tl.constexpr, BDV: tl.constexpr, MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    row = pid.to(tl.int64)
-    b = pid // HKV
-    heads = tl.arange(0, NP)
-    ok_h = heads < N
-    qh = (pid % HKV) * N + heads
-    dh = tl.arange(0, DH)
-    ok_dh = dh < HALF
-    dv = tl.arange(0, BDV)
-    ok_dv = dv < DV
-    m = tl.full([NP], float("-inf"), tl.float32)
-    l = tl.full([NP], 0.0, tl.float32)
-    acc = tl.full([NP, BDV], 0.0, tl.float32)
-    for split in range(0, n_splits):  # merge the body's splits by log-sum-exp
-        part = (row * n_splits + split) * NP + heads
-        m_s = tl.load(part_m + part)
-        m_new = tl.maximum(m, m_s)
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a, a_s = tl.exp(m - base), tl.exp(m_s - base)
-        l = l * a + tl.load(part_l + part) * a_s
-        acc = acc * a[:, None] + tl.load(part_acc + part[:, None] * BDV + dv[None, :]) * a_s[:, None]
-        m = m_new
-    end = tl.load(body_end)
-    q1, q2 = _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D, HALF)
-    for s0 in range(0, S, BLOCK_S):  # the side store: entries outside the body's readable range
-        j = s0 + tl.arange(0, BLOCK_S)
-        pos = tl.load(side_pos + j, mask=j < S, other=-1)
-        ok = (pos >= 0) & ((pos < body_start) | (pos >= end))
-        at = tl.maximum(pos, 0)  # an empty slot (-1) reads column 0, then is not allowed
-        allow = _allowed(mask, b, qh, ok_h, at, ok, T, HQ, MASK_HEADS)
-        vec = row * S + j
-        k1, k2 = _side_keys(side_k, vec, ok, dh, ok_dh, at, inv_freq, rope_scale, D, HALF, PRE_ROPE)
-        sc = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
-        v = tl.load(side_v + vec[:, None] * DV + dv[None, :], mask=ok[:, None] & ok_dv[None, :], other=0.0).to(tl.float32)
-        m, l, acc = _softmax_step(m, l, acc, sc, v)
-    result = acc / tl.where(l > 0, l, 1.0)[:, None]  # a query that sees nothing gets zeros
-    at = out + (b * HQ + qh)[:, None] * DV + dv[None, :]
-    tl.store(at, result.to(out.dtype.element_ty), mask=ok_h[:, None] & ok_dv[None, :])
-
-
-@triton.jit
 def _softmax_step_dot(m, l, acc, scores, v, PRECISION: tl.constexpr):
     """`_softmax_step` for many rows: the weighted sum as a matrix product (tensor cores on a GPU)."""
     m_new = tl.maximum(m, _max(scores, 1))
@@ -383,4 +284,4 @@ def _chunk_attention(
     tl.store(o_at, result.to(out.dtype.element_ty), mask=ok_r[:, None] & ok_dv[None, :])
 
 
-__all__ = ["_chunk_attention", "_decode_merge", "_decode_split"]
+__all__ = ["_chunk_attention"]

@@ -18,16 +18,26 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from kvq_ao.kernels.gpu import triton_attention
+from kvq_ao.kernels.gpu import triton_attention, triton_decode
 from kvq_ao.kernels.gpu import triton_quantize as triton_quantize_kernels
 from kvq_ao.format import OPERAND_TENSORS, Operand, midpoints
 from kvq_ao.ops import _check_attention, _check_quantize, _check_quantize_fixed, _meta_shapes, named_arguments
 from kvq_ao.quant.packing import packed_size
 
-BLOCK_T = 64  # body tokens per step of a split program
-BLOCK_S = 32  # side entries per step of the merge program
+BLOCK_T = 64  # body tokens per step of a chunk-attention program (a quarter for float32 models: FMA products)
+BLOCK_S = 32  # side entries per step of a chunk-attention program
+MERGE_BLOCK_S = 8  # side entries per step of the decode merge (its [heads, entries, D] products spill past 8 on sm_80)
 CHUNK_BLOCK_Q = 16  # queries per chunk-attention program (times the query heads sharing a kv head)
-SPLITS_PER_SM = 4  # split programs per streaming multiprocessor (flash-decoding's occupancy rule)
+SPLITS_PER_SM = 4  # split programs per streaming multiprocessor: several waves at batch 1
+# Launch options. A split program: 8 warps for its [BLOCK_T, D] tiles of K and V; one stage (direct
+# 64/128-bit loads into registers; more stages copy asynchronously through shared memory and spill
+# on some formats). maxnreg 255 everywhere: without it ptxas trades a few bytes of spills for
+# occupancy on some specializations (tests/kernels/test_triton_aot.py allows none).
+# benchmarks/gpu.py times the alternatives on a GPU.
+DECODE_LAUNCH = {"num_warps": 8, "num_stages": 1, "maxnreg": 255}
+MERGE_LAUNCH = {"num_warps": 4, "maxnreg": 255}
+CHUNK_LAUNCH = {"num_warps": 8, "maxnreg": 255}  # a chunk program's tiles: 16 queries x the query heads of a kv head
+QUANTIZE_LAUNCH = {"maxnreg": 255}
 INTERPRETER_SPLITS = 3  # on CPU: enough splits that the merge is exercised, few enough to be quick
 
 
@@ -62,12 +72,22 @@ def _launcher(module: ModuleType, name: str, like: torch.Tensor):
     return wrap_triton(getattr(module, name))
 
 
-def _splits(q: torch.Tensor, rows: int, capacity: int) -> int:
-    blocks = max(1, triton.cdiv(capacity, BLOCK_T))
+def _splits(q: torch.Tensor, rows: int, capacity: int, block: int) -> int:
+    """Split programs per kv head: enough for SPLITS_PER_SM on every SM over all rows (b * Hkv), at
+    most one per block of the capacity."""
+    blocks = max(1, triton.cdiv(capacity, block))
     if q.device.type != "cuda":
         return min(INTERPRETER_SPLITS, blocks)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return max(1, min(blocks, SPLITS_PER_SM * sms // rows))
+
+
+def decode_supported(named: dict) -> bool:
+    """Whether `kvq.triton_decode_attention` serves these arguments (named, as `named_arguments`
+    gives them): its tiles need a power-of-two head_dim and power-of-two groups."""
+    k, v = named["k"], named["v"]
+    return triton_decode.supported(named["q"].shape[-1], k.group, v.group, k.bits, v.bits) and \
+        triton_decode.supported(v.side.shape[-1], k.group, v.group, k.bits, v.bits)  # fmt: skip
 
 
 def _operand_launch(o: Operand, prefix: str, dummy: torch.Tensor) -> tuple[dict, dict]:
@@ -105,29 +125,35 @@ def triton_decode_attention(
     """`kvq::decode_attention` (same arguments, same result) in Triton: q [B, Hq, 1, D] over one
     layer's packed cache -> [B, Hq, 1, Dv] in q's dtype."""
     named = _check_attention(named_arguments((), dict(locals())), decode=True)
+    if not decode_supported(named):
+        raise ValueError(f"kvq.triton_decode_attention needs a power-of-two head_dim (>= 32) and power-of-two groups; got "
+                         f"head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group} (use kvq.decode_attention)")  # fmt: skip
     b, hq, _, d = q.shape
     ko, vo = named["k"], named["v"]
     hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
     q = q.contiguous()
     operands, common = _common(dict(named, q=q))
-    shape = common["shape"]
+    shape = {k: v for k, v in common["shape"].items() if k not in ("DH", "BDV")}
     np_ = triton.next_power_of_2(shape["N"])
+    block = triton_decode.block_tokens(d, float32=q.dtype == torch.float32, pre_rope=named["rope_inv_freq"] is not None)
     mask_arg = mask.contiguous()  # bool: the kernels load it as int1 (a dtype view of a bool tensor fails CUDA lowering)
-    splits = _splits(q, b * hkv, t)
+    splits = _splits(q, b * hkv, t, block)
     part_m = q.new_empty((b * hkv, splits, np_), dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    part_acc = q.new_empty((b * hkv, splits, np_, shape["BDV"]), dtype=torch.float32)
+    part_acc = q.new_empty((b * hkv, splits, np_, dv), dtype=torch.float32)
     out = q.new_empty((b, hq, 1, dv))
-    _launcher(triton_attention, "_decode_split", q)[(b * hkv, splits)](
+    _launcher(triton_decode, "_decode_split", q)[(b * hkv, splits)](
         q=q, **operands, mask=mask_arg, inv_freq=common["inv_freq"], body_end=body_end, part_m=part_m, part_l=part_l,
         part_acc=part_acc, body_start=body_start, T=t, HKV=hkv, HQ=hq, n_splits=splits, scaling=scaling,
-        rope_scale=rope_scale, softcap=softcap, NP=np_, MASK_HEADS=mask.shape[1], **shape, BLOCK_T=BLOCK_T,
+        rope_scale=rope_scale, softcap=softcap, NP=np_, M=max(16, np_), MASK_HEADS=mask.shape[1], **shape, BLOCK_T=block,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **DECODE_LAUNCH,
+        DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
     )  # fmt: skip
     merge_shape = {k: v for k, v in shape.items() if not k.startswith(("K_", "V_"))}
-    _launcher(triton_attention, "_decode_merge", q)[(b * hkv,)](
+    _launcher(triton_decode, "_decode_merge", q)[(b * hkv,)](
         q, ko.side.contiguous(), vo.side.contiguous(), side_pos.contiguous(), mask_arg, common["inv_freq"], body_end,
         part_m, part_l, part_acc, out, body_start, t, s, hkv, hq, splits, scaling, rope_scale, softcap, NP=np_,
-        MASK_HEADS=mask.shape[1], **merge_shape, BLOCK_S=BLOCK_S,
+        MASK_HEADS=mask.shape[1], **merge_shape, BLOCK_S=MERGE_BLOCK_S, **MERGE_LAUNCH,
     )  # fmt: skip
     return out
 
@@ -157,8 +183,8 @@ def triton_chunk_attention(
         mask=mask_arg, inv_freq=common["inv_freq"], body_end=body_end.contiguous(), out=out, body_start=body_start, T=t,
         S=s, TQ=tq, HKV=hkv, HQ=hq, scaling=scaling, rope_scale=rope_scale, softcap=softcap, BOUNDS=int(bounds),
         MASK_HEADS=1 if bounds else mask.shape[1], PER_QUERY_END=body_end.dim() == 1, **common["shape"],
-        BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=BLOCK_T // 4 if q.dtype == torch.float32 else BLOCK_T, BLOCK_S=BLOCK_S,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **CHUNK_LAUNCH,
     )  # fmt: skip
     return out
 
@@ -206,7 +232,7 @@ def triton_quantize(
         x, *thresholds, mids, codes, scale, zero, out_val, out_idx, partial,
         rows, t, h, 1.0 if codebook.numel() else float(2**bits - 1), finfo.max, finfo.eps, finfo.smallest_normal * finfo.eps,
         D=d, BITS=bits, AXIS=axis, GROUP=group, CODEBOOK=codebook.numel() > 0, K=n_outliers, VECTOR_OUTLIERS=vector,
-        SCALE=_SCALE_CODES[scale_dtype], ROWS=tile, FIXED=False,
+        SCALE=_SCALE_CODES[scale_dtype], ROWS=tile, FIXED=False, **QUANTIZE_LAUNCH,
     )  # fmt: skip
     return codes, scale, zero, out_val, out_idx, partial.sum()
 
@@ -239,7 +265,7 @@ def triton_quantize_fixed(
         x, fixed[0], fixed[1], mids, codes, fixed[2], fixed[3], out_val, out_idx, partial,
         b * h * t, t, h, 1.0, 1.0, 1.0, 1.0,
         D=d, BITS=bits, AXIS=0, GROUP=d, CODEBOOK=codebook.numel() > 0, K=n_outliers, VECTOR_OUTLIERS=False,
-        SCALE=2, ROWS=QUANTIZE_ROWS, FIXED=True,
+        SCALE=2, ROWS=QUANTIZE_ROWS, FIXED=True, **QUANTIZE_LAUNCH,
     )  # fmt: skip
     return codes, out_val, out_idx, partial.sum()
 

@@ -32,8 +32,8 @@ from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN
 from kvq_ao.kernels import cpu, gpu, reference
 from kvq_ao.ops import attention_arguments, reference_arguments
 
-from attention_cases import (FIXED, FORMATS, STREAM_FORMATS, TOLERANCE, attend, expected_streaming, map_tensors, native_case,
-                             quantize_case, reference_attention, streaming_case, with_operand)  # fmt: skip
+from attention_cases import (CHUNK_CASES, DECODE_CASES, FORMATS, TOLERANCE, attend, chunk_case, decode_case, expected_streaming,
+                             map_tensors, native_case, quantize_case, reference_attention, with_operand)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- backends
@@ -122,40 +122,6 @@ def _runs_on(name: str, named: dict) -> bool:
 
 
 # ----------------------------------------------------------------------------- decode cases
-K4, V4 = (4, AXIS_CHANNEL, 16, False, 0), (4, AXIS_TOKEN, 16, False, 0)
-DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks, softcap, dtypes
-    **{f"k{b}v{b}-{'codebook' if cb else 'uniform'}": dict(k_fmt=(b, AXIS_CHANNEL, 16, cb, 0), v_fmt=(b, AXIS_TOKEN, 16, cb, 0))
-       for b in (2, 3, 4, 8) for cb in ((False, True) if b <= 4 else (False,))},
-    "float-bodies": dict(k_fmt=(0, AXIS_TOKEN, 16, False, 0), v_fmt=(0, AXIS_TOKEN, 16, False, 0)),
-    "calibrated-key-rows": dict(k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(3, AXIS_TOKEN, 64, False, 1), pre_rope=True),
-    "calibrated-key-rows-uniform": dict(k_fmt=(2, AXIS_CHANNEL, FIXED, False, 0), blocks=9),
-    "outlier-slots": dict(k_fmt=(4, AXIS_CHANNEL, 16, False, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1)),
-    "per-token-keys-per-channel-values": dict(k_fmt=(4, AXIS_TOKEN, 16, False, 1), v_fmt=(4, AXIS_CHANNEL, 16, False, 0)),
-    "k8v2-g32": dict(k_fmt=(8, AXIS_CHANNEL, 32, False, 0), v_fmt=(2, AXIS_TOKEN, 32, False, 0), blocks=4),
-    "k2v8-g32": dict(k_fmt=(2, AXIS_CHANNEL, 32, False, 0), v_fmt=(8, AXIS_TOKEN, 32, False, 0), blocks=6),
-    "pre-rope-codebook-outliers": dict(k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(3, AXIS_TOKEN, 16, True, 1), pre_rope=True),
-    **{f"pre-rope-k{b}-{'codebook' if cb else 'uniform'}-outliers": dict(  # scale rows change mid-tile, a tile cut short
-        k_fmt=(b, AXIS_CHANNEL, 16, cb, 2 if cb else 3), v_fmt=(b, AXIS_TOKEN, 8, cb, 1), pre_rope=True, blocks=9,
-        body_end=16 * 9 - 5, head_mask=True, d=128 if b == 8 else 64) for b in (2, 3, 4, 8) for cb in (False, True)},
-    "gqa1-d128": dict(ratio=1, d=128, k_fmt=K4, v_fmt=V4),
-    "gqa3-d128-many-blocks": dict(hkv=1, batch=1, ratio=3, d=128, blocks=52, k_fmt=(2, AXIS_CHANNEL, 16, False, 0),
-                                  v_fmt=(2, AXIS_TOKEN, 16, False, 0)),
-    "gqa8-d64": dict(ratio=8, hkv=1, k_fmt=K4, v_fmt=V4),
-    "gqa3-d256": dict(ratio=3, hkv=1, d=256, k_fmt=(2, AXIS_CHANNEL, 16, False, 0), v_fmt=(2, AXIS_TOKEN, 16, False, 0)),
-    "many-tiles": dict(hkv=2, ratio=3, blocks=74, k_fmt=(2, AXIS_CHANNEL, 16, False, 0), v_fmt=(2, AXIS_TOKEN, 16, False, 0)),
-    "left-padding-window-head-mask": dict(left_pad=21, window=40, head_mask=True),
-    "side-empty": dict(side="empty"),
-    "side-full": dict(side="full"),
-    "softcap": dict(softcap=2.5, pre_rope=True),
-    "float16": dict(dtype=torch.float16, head_mask=True),
-    "bfloat16": dict(dtype=torch.bfloat16, pre_rope=True, k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1)),
-}
-
-
-def decode_case(case_id: str) -> dict:
-    return native_case(sum(map(ord, case_id)) % 1000, **DECODE_CASES[case_id])
-
-
 def check_decode(name: str, named: dict) -> torch.Tensor:
     out = _runner(name, "decode")(named)
     want = reference_attention(named)
@@ -208,23 +174,6 @@ def test_random_decode_cases(backend, seed, k_fmt, v_fmt, ratio, hkv, d, blocks,
 
 
 # ----------------------------------------------------------------------------- chunk cases
-CHUNK_CASES = {  # id -> streaming_case arguments (tq, k format, v format, keywords)
-    "causal-k2-v4": (5, STREAM_FORMATS[1], STREAM_FORMATS[3], {}),
-    "per-query-ends-pre-rope": (33, STREAM_FORMATS[2], STREAM_FORMATS[3], dict(per_query=True, pre_rope=True)),
-    "window-padding-softcap": (16, STREAM_FORMATS[6], STREAM_FORMATS[4], dict(window=9, pad=(0, 3), softcap=5.0)),
-    "calibrated-key-rows": (21, STREAM_FORMATS[7], STREAM_FORMATS[3], dict(length=200, pre_rope=True, per_query=True)),
-    "calibrated-key-rows-uniform": (5, STREAM_FORMATS[8], STREAM_FORMATS[4], {}),
-    "float-bodies-gqa8": (5, STREAM_FORMATS[0], STREAM_FORMATS[0], dict(hq=8, hkv=1)),
-    "k8-gqa1": (2, STREAM_FORMATS[5], STREAM_FORMATS[3], dict(hq=2, hkv=2, pad=(20, 0))),
-    "many-blocks": (40, STREAM_FORMATS[2], STREAM_FORMATS[3], dict(length=300, pre_rope=True, per_query=True)),
-}
-
-
-def chunk_case(case_id: str) -> dict:
-    tq, k_fmt, v_fmt, kw = CHUNK_CASES[case_id]
-    return streaming_case(sum(map(ord, case_id)) % 1000, tq, k_fmt, v_fmt, **kw)
-
-
 @pytest.mark.parametrize("mask", ["bounds", "dense"])
 @pytest.mark.parametrize("case_id", list(CHUNK_CASES))
 @pytest.mark.parametrize("backend", CHUNK_BACKENDS)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need triton (installed with the test extra)")
 
-from kvq_ao import KVQuantConfig, make_cache, quantize_kv_  # noqa: E402
+from kvq_ao import KVQuantConfig, quantize_kv_  # noqa: E402
 from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints  # noqa: E402
 from kvq_ao.kernels import gpu, reference  # noqa: E402
 from kvq_ao.ops import ATTENTION_SCHEMA  # noqa: E402
@@ -151,13 +151,60 @@ def test_cpu_is_served_by_the_triton_kernels_only_when_asked():
     assert not gpu.serves(cpu)
 
 
+# What makes a device wait for the host inside a graph: reading a tensor's value (or a shape that
+# depends on values) on the host, in the Dynamo graph (methods) or the AOTAutograd graph (ATen ops).
+HOST_SYNC_METHODS = {"item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "cpu", "numpy"}
+HOST_SYNC_OPS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal",
+                 "aten.masked_select", "aten.unique_consecutive", "aten._unique2"}  # fmt: skip
+
+
+def host_syncs(graphs, aten_graphs) -> list[str]:
+    found = [f"{n.target}()" for n in graphs_nodes(graphs) if n.op == "call_method" and n.target in HOST_SYNC_METHODS]
+    return found + [str(n.target) for n in graphs_nodes(aten_graphs)
+                    if n.op == "call_function" and str(n.target).split(".default")[0] in HOST_SYNC_OPS]  # fmt: skip
+
+
+def graphs_nodes(graphs):
+    return [n for g in graphs for n in g.graph.nodes]
+
+
+def inspecting_backend():
+    """A torch.compile backend (a function: transformers deep-copies its compile config) that keeps
+    every graph Dynamo hands it, lowers each through AOTAutograd (torch's analysis of the Triton
+    launches run for an sm_90 target, as on a GPU) to keep the ATen and Triton-launch graph a GPU
+    backend would compile, and then runs the Dynamo graph as it is: the Triton ops in Triton's
+    interpreter. (Inductor's CPU backend cannot run Triton launches; on a GPU, benchmarks/gpu.py
+    compiles the same step with inductor and CUDA graphs.) Returns (backend, dynamo graphs, aten graphs)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from kvq_ao.kernels.gpu.aot import traced_as_on_gpu
+
+    graphs, aten = [], []
+
+    class Captured(Exception):
+        pass
+
+    def capture(aot_gm, _):
+        aten.append(aot_gm)
+        raise Captured
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        with traced_as_on_gpu(90), pytest.raises(Captured):
+            aot_autograd(fw_compiler=capture)(gm, example_inputs)
+        return gm.forward
+
+    return backend, graphs, aten
+
+
 @pytest.mark.parametrize("preset", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-calibrated-ranges"])
-def test_compiled_decode_step_traces_the_triton_op_without_graph_breaks(preset):
-    """A decode step of a quantized model, compiled with fullgraph=True while the Triton kernels serve
-    CPU tensors: one graph, the Triton op in it once per layer, the result of the eager step (native
-    kernel). Dynamo traces; the graph runs the kernels in the interpreter (inductor's lowering of the
-    Triton launches needs a GPU driver and is exercised by benchmarks/gpu.py on a GPU)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
+def test_compiled_decode_step_on_the_triton_ops_is_one_graph_without_recompiles_or_host_syncs(preset):
+    """generate(..., compile_config=compile_config()) of a quantized model while the Triton kernels
+    serve CPU tensors, 20 decode steps: one Dynamo graph (fullgraph, so no graph break), no recompile
+    (Dynamo's error_on_recompile), the Triton op in it once per layer, no node in the AOTAutograd
+    graph that reads a device value on the host (HOST_SYNCS; so CUDA graphs can capture the step),
+    and the tokens and scores of eager generation with the native kernels."""
+    from kvq_ao import compile_config
 
     model = tiny_llama(seed=3)
     ranges = "calibrated" if preset == "kvquant-calibrated-ranges" else "online"
@@ -165,44 +212,98 @@ def test_compiled_decode_step_traces_the_triton_op_without_graph_breaks(preset):
     quantize_kv_(model, cfg)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
 
-    def prefilled():
-        cache = make_cache(model, cfg, max_cache_len=64)
-        model(ids, cache=cache)
-        return cache
+    def run(**kw):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=21, min_new_tokens=21, do_sample=False,
+                                  cache_implementation="static", output_scores=True, return_dict_in_generate=True, **kw)  # fmt: skip
 
-    with torch.no_grad():
-        eager = model(ids[:, -1:], cache=prefilled()).logits
-        counter = CompileCounterWithBackend("eager")
-        step = torch.compile(lambda token, cache: model(token, cache=cache).logits, backend=counter, fullgraph=True)
-        torch._dynamo.reset()
-        with gpu.on_cpu():
-            compiled = step(ids[:, -1:], prefilled())
-    assert counter.frame_count == 1
-    calls = [n for n in counter.graphs[0].graph.nodes if "triton_decode_attention" in str(n.target)]
+    eager = run()
+    cc = compile_config()
+    cc.backend, graphs, aten_graphs = inspecting_backend()
+    torch._dynamo.reset()
+    with gpu.on_cpu(), torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(compile_config=cc)
+    assert len(graphs) == 1 and len(aten_graphs) == 1  # 20 compiled steps, one graph
+    nodes = list(graphs[0].graph.nodes)
+    calls = [n for n in nodes if "triton_decode_attention" in str(n.target)]
     assert len(calls) == model.config.num_hidden_layers
-    coded = [n for n in counter.graphs[0].graph.nodes if "quantize_fixed" in str(n.target)]
+    coded = [n for n in nodes if "quantize_fixed" in str(n.target)]
     if ranges == "calibrated":  # the new key is coded on arrival, by the Triton op
         assert coded and all("triton_quantize_fixed" in str(n.target) for n in coded), [str(n.target) for n in coded]
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    aten = [str(n.target) for n in aten_graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("triton_kernel_wrapper" in t for t in aten) >= 2 * model.config.num_hidden_layers  # split + merge launches
+    assert not host_syncs(graphs, aten_graphs), sorted(set(aten))
+    assert torch.equal(eager.sequences, compiled.sequences)
+    for a, b in zip(eager.scores, compiled.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_host_sync_check_sees_a_host_sync():
+    """host_syncs finds a value read on the host (`.item()` of a fill level) and a value-dependent
+    shape (`nonzero`), so a step that made either would fail the test above."""
+    for fn, flag in ((lambda x: x[: int(x.sum().item())], "capture_scalar_outputs"),
+                     (lambda x: torch.nonzero(x), "capture_dynamic_output_shape_ops")):  # fmt: skip
+        backend, graphs, aten_graphs = inspecting_backend()
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(**{flag: True}):
+            torch.compile(fn, backend=backend, fullgraph=True)(torch.ones(3))
+        assert host_syncs(graphs, aten_graphs), [str(n.target) for n in graphs_nodes(graphs + aten_graphs)]
+    assert not host_syncs(*inspecting_run(lambda x: x * 2))
+
+
+def inspecting_run(fn):
+    backend, graphs, aten_graphs = inspecting_backend()
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(torch.ones(3))
+    return graphs, aten_graphs
 
 
 def test_the_gpu_benchmark_dry_run_checks_and_times_every_section(tmp_path):
     """benchmarks/gpu.py --dry-run: the script a lent GPU machine runs, on CPU tensors in the
-    interpreter at tiny shapes; its correctness section passed and every section produced rows."""
+    interpreter at tiny shapes; its conformance and check sections passed and every section produced
+    its rows (attention: both shapes, batch 1 and 8, SDPA and each preset; launch options; prefill and
+    the compiled step against their bf16 baselines, with the bandwidth model)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "gpu.json"
-    run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--out", str(out)], cwd=root,
+    run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--out", str(tmp_path)], cwd=root,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    presets = {"kivi-4", "kivi-2", "kvquant-3-1pct", "kvquant-2-1pct"}
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    rows = result["rows"]
+    presets = {"kivi-4", "kvquant-3-1pct"}
+    conformance = [r for r in rows if r["section"] == "conformance"]
+    assert conformance and all(r["ok"] for r in conformance)
+    assert {r["case"].split(":")[0] for r in conformance} == {"decode", "chunk"}
     assert {r["format"] for r in rows if r["section"] == "check" and r["ok"]} == presets
     assert {r["format"] for r in rows if r["section"] == "check-quantize" and r["ok"]} == presets
-    assert {r["format"] for r in rows if r["section"] == "attention"} == presets | {"sdpa-bf16"}
-    assert {r["format"] for r in rows if r["section"] == "step"} == {"fp", "kivi-4", "kivi-2"}
-    assert all(r["ms"] > 0 for r in rows if "ms" in r)
+    attention = [r for r in rows if r["section"] == "attention"]
+    assert {(r["shape"], r["batch"]) for r in attention} == {("smollm2", 1), ("llama3-8b", 1), ("llama3-8b", 8)}
+    assert {r["format"] for r in attention} == presets | {"sdpa-bf16"}
+    assert all(r["gbs"] > 0 and r["of_copy_bw"] > 0 for r in attention)
+    assert {(r["num_warps"], r["num_stages"]) for r in rows if r["section"] == "launch"} == {(4, 1), (8, 1)}
+    assert {r["format"] for r in rows if r["section"] == "prefill"} == {"bf16-sdpa", "kivi-2"}
+    step = [r for r in rows if r["section"] == "step"]
+    assert {r["format"] for r in step} == {"bf16-static", "kivi-2"} and all(r["model_ms"] > 0 for r in step)
+    assert all(r["ms"] > 0 for r in rows if "ms" in r) and result["seconds"] > 0
+
+
+def test_decode_shapes_the_split_kernel_cannot_tile_go_to_the_kvq_op():
+    """The split kernel tiles power-of-two head_dims (>= 32) and groups; a head_dim of 96 is served
+    by `kvq.decode_attention` (on CUDA: the reference), and the Triton op refuses it by name."""
+    from types import SimpleNamespace
+
+    def operands(d, group=16):
+        return SimpleNamespace(group=group, bits=4), SimpleNamespace(group=group, bits=4, side=torch.empty(1, 1, 1, d))
+
+    with gpu.on_cpu():
+        assert gpu.decode_op(torch.empty(1, 2, 1, 64), *operands(64)) is torch.ops.kvq.triton_decode_attention
+        assert gpu.decode_op(torch.empty(1, 2, 1, 96), *operands(96)) is torch.ops.kvq.decode_attention
+        assert gpu.decode_op(torch.empty(1, 2, 1, 64), *operands(64, group=24)) is torch.ops.kvq.decode_attention
+    assert gpu.decode_op(torch.empty(1, 2, 1, 64), *operands(64)) is torch.ops.kvq.decode_attention  # CPU: the native kernel
+    named = native_case(0, d=96, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_TOKEN, 16, False, 0))
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        triton_attention(named)

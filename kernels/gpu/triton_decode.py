@@ -1,0 +1,259 @@
+"""Triton decode attention over the packed cache, laid out for memory bandwidth (flash-decoding).
+
+One query token attends a layer's cache straight from its packed codes; no float K/V is written.
+Decode is bound by the bytes it reads, so the body loop is built to read each byte once and in wide
+loads:
+
+* `_decode_split`: program (b * Hkv + h, split) walks the body's blocks of BLOCK_T tokens split,
+  split + S, split + 2S, ... (interleaved, so every split gets an equal share of however much of the
+  capacity is filled: the filled length is a device tensor, never read on the host, so the launch
+  needs no synchronization and CUDA graphs capture it). The number of splits comes from the SM count,
+  several waves of programs at batch 1.
+  - Codes: a block's codes are BLOCK_T consecutive packed rows, contiguous in memory. The planar
+    layout (`kvq_ao.quant.packing`) stores channel c in plane c // PW at byte c % PW, so the bytes of
+    a range of planes are read once, as contiguous rows the compiler turns into vector loads, and
+    every plane is a shift and a mask of the same registers (3 bits: three byte planes make 24-bit
+    words of eight 3-bit planes).
+  - Scales and zeros: once per group, never per element: per-channel groups of G tokens load
+    BLOCK_T / G rows of D and broadcast them over their tokens; per-token groups of G channels load
+    D / G values a token and broadcast them over their channels; calibrated key ranges load one row.
+  - All query heads of the kv head (GQA) are rows of one matrix, padded to the 16 rows a tensor-core
+    `tl.dot` takes: scores are q x K^T and the weighted sum P x V, in the model's dtype with float32
+    accumulation. One read of K/V serves the whole group.
+  - Pre-RoPE keys are dequantized as two halves of head_dim and rotated at their positions
+    (transformers' rotate_half pairs channel i with i + D/2, so the rotation is elementwise).
+  The program writes its running max, sum of exponentials and weighted sum.
+* `_decode_merge`: program (b * Hkv + h) merges the splits by log-sum-exp, attends the full-precision
+  side store (sink and recent window), normalizes and writes the output in the model's dtype.
+
+Shapes this layout needs: a power-of-two head_dim and power-of-two groups (`supported`); other shapes
+run `kvq.decode_attention`. The same sources run on CPU tensors in Triton's interpreter
+(`triton_ops.interpreted`), which is how they are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvq_ao import format as fmt
+from kvq_ao.kernels.gpu.triton_attention import (_allowed, _max, _query_halves, _rope, _scores, _side_keys, _softmax_step, _sum,
+                                                 _tanh)
+
+FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
+AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
+ONE_ROW = tl.constexpr(fmt.ONE_ROW)
+EMPTY_SLOT = tl.constexpr(fmt.EMPTY_SLOT)
+
+
+def block_tokens(head_dim: int, float32: bool = False, pre_rope: bool = False) -> int:
+    """Body tokens per step of a split program: 8K elements of K (and of V) a step (128 tokens at
+    head_dim 64, 64 at 128: what 8 warps hold in registers without spilling), a quarter for float32
+    models (whose products run on FMA units, not tensor cores) and half for pre-RoPE keys (their
+    rotation holds a cosine and a sine per element): no spills on sm_80/sm_90, triton 3.6 to 3.9."""
+    return max(16, min(512, 8192 // head_dim // (4 if float32 else 1) // (2 if pre_rope else 1)))
+
+
+def supported(head_dim: int, k_group: int, v_group: int, k_bits: int, v_bits: int) -> bool:
+    """Whether `_decode_split` serves these shapes: power-of-two head_dim and groups (its tiles)."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    groups = all(pow2(g) or g == fmt.ONE_ROW or b == fmt.FLOAT_BITS for g, b in ((k_group, k_bits), (v_group, v_bits)))
+    return pow2(head_dim) and head_dim >= 32 and groups
+
+
+@triton.jit
+def _plane_codes(codes, first, ok_t, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Integer codes [BT, D] of the BT consecutive packed vectors from vector index `first` (ok_t
+    [BT]: which to read). Each vector's bytes are read once, as 32-bit words of contiguous rows
+    (vector loads), and every code is one shift and mask of its word: channel c sits in plane
+    c // PW at byte c % PW, planes BITS bits apart (3 bits: three byte planes make 24-bit words of
+    eight 3-bit planes)."""
+    ROW: tl.constexpr = D * BITS // 8  # bytes a vector
+    PW: tl.constexpr = D // 8 if BITS == 3 else ROW  # channels a plane (= bytes a byte plane)
+    NPL: tl.constexpr = D // PW  # planes
+    W: tl.constexpr = PW // 4  # 32-bit words a byte plane
+    tok = first + tl.arange(0, BT)
+    at = codes.to(tl.pointer_type(tl.int32)) + tok[:, None] * (ROW // 4) + tl.arange(0, W)[None, :]
+    ok = ok_t[:, None]
+    byte = 8 * tl.arange(0, 4)[None, None, None, :]  # byte j of a word: bits [8j, 8j + 8)
+    word = tl.load(at, mask=ok, other=0)[:, None, :, None]  # [BT, 1, W, 1]
+    if BITS == 3:  # the three byte planes' bytes side by side: a 24-bit word per channel of a plane
+        mid = tl.load(at + W, mask=ok, other=0)[:, None, :, None]
+        high = tl.load(at + 2 * W, mask=ok, other=0)[:, None, :, None]
+        word = ((word >> byte) & 255) | (((mid >> byte) & 255) << 8) | (((high >> byte) & 255) << 16)
+        shift = BITS * tl.arange(0, NPL)[None, :, None, None]
+    else:
+        shift = byte + BITS * tl.arange(0, NPL)[None, :, None, None]
+    return tl.reshape((word >> shift) & ((1 << BITS) - 1), [BT, D])  # [BT, NPL, W, 4]: channel p * PW + 4 w + j
+
+
+@triton.jit
+def _levels(codebook, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
+    """The codebook's levels as a register tensor, loaded once a program (a placeholder without one)."""
+    if CODEBOOK:
+        levels = tl.load(codebook + tl.arange(0, 1 << BITS))
+    else:
+        levels = tl.full([2], 0.0, tl.float32)
+    return levels
+
+
+@triton.jit
+def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T, BT: tl.constexpr, D: tl.constexpr,
+                  BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr, CODEBOOK: tl.constexpr, N_OUT: tl.constexpr):  # fmt: skip
+    """Float32 values [BT, D] at body positions t0 + [0, BT) of operand row `row` (= batch * heads
+    + head), scales and zeros loaded once per group; `levels`: the codebook's 2**BITS values (a
+    register tensor, `_levels`) when CODEBOOK."""
+    first = row * T + t0  # int64 vector index of the block's first token
+    ch = tl.arange(0, D)
+    tok = first + tl.arange(0, BT)
+    if BITS == FLOAT_BITS:  # a float body
+        x = tl.load(codes + tok[:, None] * D + ch[None, :], mask=ok_t[:, None], other=0.0).to(tl.float32)
+    else:
+        code = _plane_codes(codes, first, ok_t, BT, D, BITS)
+        if CODEBOOK:  # the 2**BITS levels, loaded once a block, looked up in registers
+            level = tl.reshape(tl.gather(tl.broadcast_to(levels[None, :], [BT * D // (1 << BITS), 1 << BITS]),
+                                         tl.reshape(code, [BT * D // (1 << BITS), 1 << BITS]), 1), [BT, D])
+        else:
+            level = code.to(tl.float32)
+        if AXIS == AXIS_TOKEN:  # per-token groups of GROUP channels: metadata [.., T, D / GROUP]
+            NG: tl.constexpr = D // GROUP
+            meta = tok[:, None] * NG + tl.arange(0, NG)[None, :]
+            s = tl.load(scale + meta, mask=ok_t[:, None], other=0.0).to(tl.float32)
+            z = tl.load(zero + meta, mask=ok_t[:, None], other=0.0).to(tl.float32)
+            x = tl.reshape(tl.reshape(level, [BT, NG, GROUP]) * s[:, :, None] + z[:, :, None], [BT, D])
+        elif GROUP == ONE_ROW:  # calibrated ranges: one row [.., 1, D] for every position
+            s = tl.load(scale + row * D + ch).to(tl.float32)
+            z = tl.load(zero + row * D + ch).to(tl.float32)
+            x = level * s[None, :] + z[None, :]
+        else:  # per-channel groups of GROUP tokens: metadata [.., T / GROUP, D]
+            NT: tl.constexpr = BT // GROUP if BT > GROUP else 1  # groups in the block
+            start = t0 + tl.arange(0, NT) * (BT // NT)  # each group's first token in the block
+            meta = (row * (T // GROUP) + start // GROUP)[:, None] * D + ch[None, :]
+            s = tl.load(scale + meta, mask=(start < T)[:, None], other=0.0).to(tl.float32)
+            z = tl.load(zero + meta, mask=(start < T)[:, None], other=0.0).to(tl.float32)
+            x = tl.reshape(tl.reshape(level, [NT, BT // NT, D]) * s[:, None, :] + z[:, None, :], [BT, D])
+    for j in tl.static_range(N_OUT):  # exact outliers replace their channel
+        idx = tl.load(out_idx + tok * N_OUT + j, mask=ok_t, other=EMPTY_SLOT).to(tl.int32)
+        val = tl.load(out_val + tok * N_OUT + j, mask=ok_t, other=0.0).to(tl.float32)
+        x = tl.where(ch[None, :] == idx[:, None], val[:, None], x)
+    return x
+
+
+@triton.jit
+def _decode_split(
+    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx,
+    v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx,
+    mask, inv_freq, body_end, part_m, part_l, part_acc,
+    body_start, T, HKV, HQ, n_splits, scaling, rope_scale, softcap,
+    N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
+    MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
+    V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
+    BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Split `split` of kv head (program 0 = b * HKV + h): the N query heads sharing it as M >= 16
+    matrix rows; writes the first NP rows' running max, sum and weighted sum. The products take
+    q's dtype (float32 with DOT_F32: float32 models, and bfloat16 in Triton's interpreter, whose
+    bfloat16 tl.dot is wrong)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pid.to(tl.int64)
+    b = pid // HKV
+    heads = tl.arange(0, M)
+    ok_h = heads < N
+    qh = (pid % HKV) * N + heads
+    dh = tl.arange(0, HALF)
+    q_at = q + (b * HQ + qh)[:, None] * D + dh[None, :]
+    q1 = tl.load(q_at, mask=ok_h[:, None], other=0.0)  # [M, D/2]: halves, for keys rotated at their positions
+    q2 = tl.load(q_at + HALF, mask=ok_h[:, None], other=0.0)
+    qf = tl.load(q + (b * HQ + qh)[:, None] * D + tl.arange(0, D)[None, :], mask=ok_h[:, None], other=0.0)  # [M, D]
+    if DOT_F32:
+        q1, q2, qf = q1.to(tl.float32), q2.to(tl.float32), qf.to(tl.float32)
+    k_levels = _levels(k_codebook, K_BITS, K_CODEBOOK)
+    v_levels = _levels(v_codebook, V_BITS, V_CODEBOOK)
+    end = tl.load(body_end)
+    m = tl.full([M], float("-inf"), tl.float32)
+    l = tl.full([M], 0.0, tl.float32)
+    acc = tl.full([M, DV], 0.0, tl.float32)
+    for blk in range(body_start // BLOCK_T + split, (end + BLOCK_T - 1) // BLOCK_T, n_splits):
+        t0 = blk * BLOCK_T
+        t = t0 + tl.arange(0, BLOCK_T)
+        ok_t = (t >= body_start) & (t < end)
+        k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
+                          K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+        if PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
+            k1, k2 = tl.split(tl.permute(tl.reshape(k, [BLOCK_T, 2, HALF]), (0, 2, 1)))
+            k1, k2 = _rope(k1, k2, t, inv_freq, dh, dh < HALF, rope_scale)
+            s = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=PRECISION)
+            s = s + tl.dot(q2, tl.trans(k2.to(q1.dtype)), input_precision=PRECISION)
+        else:
+            s = tl.dot(qf, tl.trans(k.to(qf.dtype)), input_precision=PRECISION)
+        s = s * scaling
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        allow = _allowed(mask, b, qh, ok_h, t, ok_t, T, HQ, MASK_HEADS)
+        s = tl.where(allow, s, float("-inf"))
+        v = _block_values(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t0, ok_t, T, BLOCK_T, DV,
+                          V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
+        m_new = tl.maximum(m, _max(s, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp finite
+        p = tl.exp(s - base[:, None])
+        alpha = tl.exp(m - base)
+        l = l * alpha + _sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v.to(q1.dtype), input_precision=PRECISION)
+        m = m_new
+    part = (row * n_splits + split) * NP + heads
+    keep = heads < NP
+    tl.store(part_m + part, m, mask=keep)
+    tl.store(part_l + part, l, mask=keep)
+    tl.store(part_acc + part[:, None] * DV + tl.arange(0, DV)[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _decode_merge(
+    q, side_k, side_v, side_pos, mask, inv_freq, body_end, part_m, part_l, part_acc, out,
+    body_start, T, S, HKV, HQ, n_splits, scaling, rope_scale, softcap,
+    N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
+    MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Kv head (program 0 = b * HKV + h): merge the splits, attend the side store, write the output."""
+    pid = tl.program_id(0)
+    row = pid.to(tl.int64)
+    b = pid // HKV
+    heads = tl.arange(0, NP)
+    ok_h = heads < N
+    qh = (pid % HKV) * N + heads
+    dh = tl.arange(0, HALF)
+    ok_dh = dh < HALF
+    dv = tl.arange(0, DV)
+    m = tl.full([NP], float("-inf"), tl.float32)
+    l = tl.full([NP], 0.0, tl.float32)
+    acc = tl.full([NP, DV], 0.0, tl.float32)
+    for split in range(0, n_splits):  # merge the body's splits by log-sum-exp
+        part = (row * n_splits + split) * NP + heads
+        m_s = tl.load(part_m + part)
+        m_new = tl.maximum(m, m_s)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a, a_s = tl.exp(m - base), tl.exp(m_s - base)
+        l = l * a + tl.load(part_l + part) * a_s
+        acc = acc * a[:, None] + tl.load(part_acc + part[:, None] * DV + dv[None, :]) * a_s[:, None]
+        m = m_new
+    end = tl.load(body_end)
+    q1, q2 = _query_halves(q, b, qh, ok_h, dh, ok_dh, HQ, D, HALF)
+    for s0 in range(0, S, BLOCK_S):  # the side store: entries outside the body's readable range
+        j = s0 + tl.arange(0, BLOCK_S)
+        pos = tl.load(side_pos + j, mask=j < S, other=-1)
+        ok = (pos >= 0) & ((pos < body_start) | (pos >= end))
+        at = tl.maximum(pos, 0)  # an empty slot (-1) reads column 0, then is not allowed
+        allow = _allowed(mask, b, qh, ok_h, at, ok, T, HQ, MASK_HEADS)
+        vec = row * S + j
+        k1, k2 = _side_keys(side_k, vec, ok, dh, ok_dh, at, inv_freq, rope_scale, D, HALF, PRE_ROPE)
+        sc = _scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP)
+        v = tl.load(side_v + vec[:, None] * DV + dv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        m, l, acc = _softmax_step(m, l, acc, sc, v)
+    result = acc / tl.where(l > 0, l, 1.0)[:, None]  # a query that sees nothing gets zeros
+    at = out + (b * HQ + qh)[:, None] * DV + dv[None, :]
+    tl.store(at, result.to(out.dtype.element_ty), mask=ok_h[:, None])
+
+
+__all__ = ["_decode_merge", "_decode_split", "block_tokens", "supported"]
