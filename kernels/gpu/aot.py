@@ -110,7 +110,9 @@ def recorded_launches(run: bool = True):
         class Grid:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
-                    launches.append(launch_of(fn, module.__name__, args, kwargs))
+                    if "DOT_F32" in kwargs:  # record what a GPU compiles, not the interpreter's bfloat16 workaround
+                        kwargs_gpu = dict(kwargs, DOT_F32=kwargs["PRECISION"] == "ieee")
+                    launches.append(launch_of(fn, module.__name__, args, kwargs_gpu if "DOT_F32" in kwargs else kwargs))
                     if run:
                         kernel[grid](*args, **kwargs)
 
@@ -208,7 +210,7 @@ def loop_loads(ptx: str) -> dict:
     reach it again), by instruction, and those outside it:
     {"loop": {instruction: count}, "outside": {...}, "loop_bytes": bytes one thread loads an iteration}."""
     blocks, successors = _blocks(ptx)
-    header = next((label for label, lines in blocks if "This Loop Header: Depth=1" in lines[0]), None)
+    header = next((label for label, lines in blocks if re.search(r"This (Inner )?Loop Header: Depth=1", lines[0])), None)
     inside: set[str] = set()
     if header is not None:
         def reach(start: set[str], edges: dict[str, set[str]]) -> set[str]:

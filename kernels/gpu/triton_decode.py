@@ -64,27 +64,30 @@ def supported(head_dim: int, k_group: int, v_group: int, k_bits: int, v_bits: in
 @triton.jit
 def _plane_codes(codes, first, ok_t, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """Integer codes [BT, D] of the BT consecutive packed vectors from vector index `first` (ok_t
-    [BT]: which to read). Each vector's bytes are read once, as 32-bit words of contiguous rows
-    (vector loads), and every code is one shift and mask of its word: channel c sits in plane
-    c // PW at byte c % PW, planes BITS bits apart (3 bits: three byte planes make 24-bit words of
-    eight 3-bit planes)."""
+    [BT]: which to read). Each vector's bytes are read once, in contiguous rows (vector loads), and
+    every code is one shift and mask of its word: channel c sits in plane c // PW at byte c % PW,
+    planes BITS bits apart (3 bits: three byte planes make 24-bit words of eight 3-bit planes)."""
     ROW: tl.constexpr = D * BITS // 8  # bytes a vector
     PW: tl.constexpr = D // 8 if BITS == 3 else ROW  # channels a plane (= bytes a byte plane)
     NPL: tl.constexpr = D // PW  # planes
     W: tl.constexpr = PW // 4  # 32-bit words a byte plane
     tok = first + tl.arange(0, BT)
-    at = codes.to(tl.pointer_type(tl.int32)) + tok[:, None] * (ROW // 4) + tl.arange(0, W)[None, :]
     ok = ok_t[:, None]
-    byte = 8 * tl.arange(0, 4)[None, None, None, :]  # byte j of a word: bits [8j, 8j + 8)
-    word = tl.load(at, mask=ok, other=0)[:, None, :, None]  # [BT, 1, W, 1]
-    if BITS == 3:  # the three byte planes' bytes side by side: a 24-bit word per channel of a plane
-        mid = tl.load(at + W, mask=ok, other=0)[:, None, :, None]
-        high = tl.load(at + 2 * W, mask=ok, other=0)[:, None, :, None]
-        word = ((word >> byte) & 255) | (((mid >> byte) & 255) << 8) | (((high >> byte) & 255) << 16)
-        shift = BITS * tl.arange(0, NPL)[None, :, None, None]
-    else:
+    if BITS == 3:  # three byte planes, each PW contiguous bytes a vector (one 64/128-bit load): their
+        # bytes side by side are 24-bit words holding eight 3-bit planes
+        at = codes + tok[:, None] * ROW + tl.arange(0, PW)[None, :]
+        word = tl.load(at, mask=ok, other=0).to(tl.int32)
+        word = word | (tl.load(at + PW, mask=ok, other=0).to(tl.int32) << 8)
+        word = word | (tl.load(at + 2 * PW, mask=ok, other=0).to(tl.int32) << 16)
+        shift = BITS * tl.arange(0, NPL)[None, :, None]
+        code = (word[:, None, :] >> shift) & ((1 << BITS) - 1)  # [BT, NPL, PW]: channel p * PW + c
+    else:  # the vector's bytes as 32-bit words
+        at = codes.to(tl.pointer_type(tl.int32)) + tok[:, None] * (ROW // 4) + tl.arange(0, W)[None, :]
+        byte = 8 * tl.arange(0, 4)[None, None, None, :]  # byte j of a word: bits [8j, 8j + 8)
+        word = tl.load(at, mask=ok, other=0)[:, None, :, None]  # [BT, 1, W, 1]
         shift = byte + BITS * tl.arange(0, NPL)[None, :, None, None]
-    return tl.reshape((word >> shift) & ((1 << BITS) - 1), [BT, D])  # [BT, NPL, W, 4]: channel p * PW + 4 w + j
+        code = (word >> shift) & ((1 << BITS) - 1)  # [BT, NPL, W, 4]: channel p * PW + 4 w + j
+    return tl.reshape(code, [BT, D])
 
 
 @triton.jit
