@@ -300,6 +300,10 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
     **{f"pre-rope-k{b}-{'codebook' if cb else 'uniform'}-outliers": dict(  # scale rows change mid-tile, a tile cut short
         k_fmt=(b, AXIS_CHANNEL, 16, cb, 2 if cb else 3), v_fmt=(b, AXIS_TOKEN, 8, cb, 1), pre_rope=True, blocks=9,
         body_end=16 * 9 - 5, head_mask=True, d=128 if b == 8 else 64) for b in (2, 3, 4, 8) for cb in (False, True)},
+    "values-one-group-a-vector": dict(k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(3, AXIS_TOKEN, 64, True, 0), pre_rope=True,
+                                      blocks=9),  # kvquant-3-1pct's formats: value scales folded into P
+    "values-one-group-a-vector-uniform-fp16": dict(k_fmt=K4, v_fmt=(2, AXIS_TOKEN, 64, False, 0), dtype=torch.float16),
+    "values-one-group-a-vector-d128": dict(ratio=1, d=128, k_fmt=K4, v_fmt=(4, AXIS_TOKEN, 128, False, 0)),
     "gqa1-d128": dict(ratio=1, d=128, k_fmt=K4, v_fmt=V4),
     "gqa3-d128-many-blocks": dict(hkv=1, batch=1, ratio=3, d=128, blocks=52, k_fmt=(2, AXIS_CHANNEL, 16, False, 0),
                                   v_fmt=(2, AXIS_TOKEN, 16, False, 0)),

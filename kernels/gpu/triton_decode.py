@@ -101,6 +101,19 @@ def _levels(codebook, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
 
 
 @triton.jit
+def _block_levels(codes, levels, first, ok_t, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
+    """Float32 levels [BT, D] of the BT packed vectors from vector index `first`: the codes, or the
+    codebook's values at them (`levels`: the codebook in registers, looked up by tl.gather)."""
+    code = _plane_codes(codes, first, ok_t, BT, D, BITS)
+    if CODEBOOK:
+        level = tl.reshape(tl.gather(tl.broadcast_to(levels[None, :], [BT * D // (1 << BITS), 1 << BITS]),
+                                     tl.reshape(code, [BT * D // (1 << BITS), 1 << BITS]), 1), [BT, D])
+    else:
+        level = code.to(tl.float32)
+    return level
+
+
+@triton.jit
 def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T, BT: tl.constexpr, D: tl.constexpr,
                   BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr, CODEBOOK: tl.constexpr, N_OUT: tl.constexpr):  # fmt: skip
     """Float32 values [BT, D] at body positions t0 + [0, BT) of operand row `row` (= batch * heads
@@ -112,12 +125,7 @@ def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T
     if BITS == FLOAT_BITS:  # a float body
         x = tl.load(codes + tok[:, None] * D + ch[None, :], mask=ok_t[:, None], other=0.0).to(tl.float32)
     else:
-        code = _plane_codes(codes, first, ok_t, BT, D, BITS)
-        if CODEBOOK:  # the 2**BITS levels, loaded once a block, looked up in registers
-            level = tl.reshape(tl.gather(tl.broadcast_to(levels[None, :], [BT * D // (1 << BITS), 1 << BITS]),
-                                         tl.reshape(code, [BT * D // (1 << BITS), 1 << BITS]), 1), [BT, D])
-        else:
-            level = code.to(tl.float32)
+        level = _block_levels(codes, levels, first, ok_t, BT, D, BITS, CODEBOOK)
         if AXIS == AXIS_TOKEN:  # per-token groups of GROUP channels: metadata [.., T, D / GROUP]
             NG: tl.constexpr = D // GROUP
             meta = tok[:, None] * NG + tl.arange(0, NG)[None, :]
@@ -196,14 +204,24 @@ def _decode_split(
             s = softcap * _tanh(s / softcap)
         allow = _allowed(mask, b, qh, ok_h, t, ok_t, T, HQ, MASK_HEADS)
         s = tl.where(allow, s, float("-inf"))
-        v = _block_values(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t0, ok_t, T, BLOCK_T, DV,
-                          V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
         m_new = tl.maximum(m, _max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp finite
         p = tl.exp(s - base[:, None])
         alpha = tl.exp(m - base)
         l = l * alpha + _sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v.to(q1.dtype), input_precision=PRECISION)
+        if V_BITS != FLOAT_BITS and V_AXIS == AXIS_TOKEN and V_GROUP == DV and V_OUT == 0:
+            # one scale and zero a value vector: P V = (P * scale) L + (P zero) 1^T, so the metadata is
+            # two [BLOCK_T] vectors in P's layout instead of a [BLOCK_T, DV] broadcast
+            tok = row * T + t
+            v_s = tl.load(v_scale + tok, mask=ok_t, other=0.0).to(tl.float32)
+            v_z = tl.load(v_zero + tok, mask=ok_t, other=0.0).to(tl.float32)
+            v = _block_levels(v_codes, v_levels, row * T + t0, ok_t, BLOCK_T, DV, V_BITS, V_CODEBOOK)
+            acc = acc * alpha[:, None] + tl.dot((p * v_s[None, :]).to(q1.dtype), v.to(q1.dtype), input_precision=PRECISION)
+            acc = acc + _sum(p * v_z[None, :], 1)[:, None]
+        else:
+            v = _block_values(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t0, ok_t, T, BLOCK_T, DV,
+                              V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
+            acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v.to(q1.dtype), input_precision=PRECISION)
         m = m_new
     part = (row * n_splits + split) * NP + heads
     keep = heads < NP
