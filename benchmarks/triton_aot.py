@@ -5,8 +5,8 @@ No GPU needed: the launches generate() makes with each preset are recorded on a 
 model of SmolLM2's attention shape (bfloat16, Triton's interpreter on CPU tensors), then compiled by
 triton's own compiler for each --capabilities target and assembled by its bundled ptxas, whose
 report gives registers, spill bytes, stack and shared memory per kernel (`kvq_ao.kernels.gpu.aot`).
-For the decode split kernel it also counts, in the generated PTX, the global loads one thread issues
-per iteration of the body loop (`aot.loop_loads`: instruction and width), beside the tokens an
+For the decode split and chunk kernels it also counts, in the generated PTX, the global loads one
+thread issues per iteration of the body loop (`aot.loop_loads`: instruction and width), beside the tokens an
 iteration covers and the packed bytes those tokens hold: every byte read once, in wide loads.
 tests/kernels/test_triton_aot.py compiles these and the format matrix on every CI run; this
 writes the tables: results/triton_aot/presets.json.
@@ -48,7 +48,7 @@ def main() -> None:
             if not isinstance(result, KernelReport):
                 raise SystemExit(f"{preset}: {launch.label()} does not compile for sm_{capability}: {result}")
             row = dict(preset=preset, kernel=launch.kernel, sm=capability, specialization=launch.label(), **dataclasses.asdict(result))
-            if launch.kernel == "_decode_split":
+            if launch.kernel in ("_decode_split", "_chunk_attention"):
                 census = loop_loads(compiled(launch, capability).asm["ptx"])
                 consts, options = dict(launch.constexprs), dict(launch.options)
                 threads = 32 * options.get("num_warps", 4)
@@ -60,12 +60,12 @@ def main() -> None:
     for r in rows:
         print(f"| {r['preset']} | {r['kernel']} | {r['sm']} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} "
               f"| {r['stack']} | {r['shared']} |")  # fmt: skip
-    print("\n| preset | sm | global loads a thread issues per body-loop iteration | bytes a thread | threads | tokens an iteration "
-          "| bytes an iteration |\n|---|---|---|---:|---:|---:|---:|")  # fmt: skip
+    print("\n| preset | kernel | sm | global loads a thread issues per body-loop iteration | bytes a thread | threads "
+          "| tokens an iteration | bytes an iteration |\n|---|---|---|---|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
         if "loop_loads" in r:
             loads = ", ".join(f"{n} x {k}" for k, n in sorted(r["loop_loads"].items()))
-            print(f"| {r['preset']} | {r['sm']} | {loads} | {r['loop_bytes_per_thread']} | {r['threads']} | {r['tokens_per_iteration']} "
+            print(f"| {r['preset']} | {r['kernel']} | {r['sm']} | {loads} | {r['loop_bytes_per_thread']} | {r['threads']} | {r['tokens_per_iteration']} "
                   f"| {r['loop_bytes']} |")  # fmt: skip
     path = save_json(args.out, dict(**stamp(triton=triton.__version__, dtype=args.dtype, shape="SmolLM2: 9 q / 3 kv heads, D 64"),
                                     rows=rows))  # fmt: skip

@@ -180,12 +180,10 @@ def attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, mask: t
               softcap: float = 0.0) -> torch.Tensor:  # fmt: skip
     """Attention of query [B, Hq, Tq, D] over quantized keys and values -> [B, Hq, Tq, Dv]:
     `kvq.decode_attention` for one query token (the native kernel on CPU), else `kvq.chunk_attention`;
-    on CUDA, once triton is loaded, their Triton twins `kvq.triton_decode_attention` (where its tiles
-    take the head_dim and groups: `kvq_ao.kernels.gpu.decode_op`) and `kvq.triton_chunk_attention`."""
-    if query.shape[2] == 1:
-        op = gpu_kernels.decode_op(query, key, value)
-    else:
-        op = torch.ops.kvq.triton_chunk_attention if gpu_kernels.serves(query.device) else torch.ops.kvq.chunk_attention
+    on CUDA, once triton is loaded, their Triton twins `kvq.triton_decode_attention` and
+    `kvq.triton_chunk_attention` where their tiles take the head_dim and groups
+    (`kvq_ao.kernels.gpu.attention_op`)."""
+    op = gpu_kernels.attention_op(query, key, value)
     return op(**attention_arguments(query, key, value, mask, scaling, softcap))
 
 

@@ -30,7 +30,7 @@ import importlib.util
 import torch
 
 _STATE: dict = {"loaded": False, "cpu": False, "quantize_supported": None, "quantize_fixed_supported": None,
-                "decode_supported": None}
+                "blocks_supported": None}
 
 
 def available() -> bool:
@@ -43,10 +43,10 @@ def load() -> bool:
     if not _STATE["loaded"] and available():
         from kvq_ao.kernels.gpu import triton_ops  # registers the kvq::triton_* ops
 
-        from kvq_ao.kernels.gpu import triton_decode
+        from kvq_ao.kernels.gpu import triton_blocks
 
         _STATE.update(loaded=True, quantize_supported=triton_ops.quantize_supported,
-                      quantize_fixed_supported=triton_ops.quantize_fixed_supported, decode_supported=triton_decode.supported)  # fmt: skip
+                      quantize_fixed_supported=triton_ops.quantize_fixed_supported, blocks_supported=triton_blocks.supported)  # fmt: skip
     return _STATE["loaded"]
 
 
@@ -55,16 +55,18 @@ def serves(device: torch.device) -> bool:
     return _STATE["loaded"] and (device.type == "cuda" or (device.type == "cpu" and _STATE["cpu"]))
 
 
-def decode_op(query: torch.Tensor, key, value):
-    """The op for one query token over quantized `key` and `value` (QuantizedKV):
-    `kvq.triton_decode_attention` where the Triton kernels serve the device and its tiles take the
-    shapes (power-of-two head_dim >= 32 and groups), else `kvq.decode_attention`."""
+def attention_op(query: torch.Tensor, key, value):
+    """The op for `query` [B, Hq, Tq, D] over quantized `key` and `value` (QuantizedKV): the Triton
+    decode (Tq = 1) or chunk op where the Triton kernels serve the device and their block tiles take
+    the shapes (power-of-two head_dim >= 32 and groups), else `kvq.decode_attention` /
+    `kvq.chunk_attention`."""
+    decode = query.shape[2] == 1
     if serves(query.device):
-        fits = _STATE["decode_supported"]
+        fits = _STATE["blocks_supported"]
         if fits(query.shape[-1], key.group, value.group, key.bits, value.bits) and \
                 fits(value.side.shape[-1], key.group, value.group, key.bits, value.bits):  # fmt: skip
-            return torch.ops.kvq.triton_decode_attention
-    return torch.ops.kvq.decode_attention
+            return torch.ops.kvq.triton_decode_attention if decode else torch.ops.kvq.triton_chunk_attention
+    return torch.ops.kvq.decode_attention if decode else torch.ops.kvq.chunk_attention
 
 
 def quantize_op(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype):
@@ -97,4 +99,4 @@ def on_cpu():
         _STATE["cpu"] = before
 
 
-__all__ = ["available", "decode_op", "load", "on_cpu", "quantize_fixed_op", "quantize_op", "serves"]
+__all__ = ["attention_op", "available", "load", "on_cpu", "quantize_fixed_op", "quantize_op", "serves"]

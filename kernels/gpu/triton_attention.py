@@ -2,10 +2,10 @@
 
 `_chunk_attention` serves several query tokens at once (a prefill chunk, speculative or batched
 steps): program (b * Hkv + h, tile) holds BLOCK_Q queries of each of the N query heads sharing the
-kv head as the rows of one matrix, streams the body block by block (unpacked and dequantized in
-registers: uniform or codebook levels, per-token or per-channel groups, outlier slots, pre-RoPE keys
+kv head as the rows of one matrix, streams the body block by block (read by `triton_blocks`: each
+packed byte once in wide loads, scales once per group, dequantized in registers; pre-RoPE keys
 rotated at their positions) with an online softmax whose products are tensor-core `tl.dot`s, then
-the side store. Masks are key-position bounds [lo, hi) per query or dense. The decode kernels
+the side store. Power-of-two head_dim and groups (`triton_blocks.supported`). Masks are key-position bounds [lo, hi) per query or dense. The decode kernels
 (`triton_decode.py`) share the small helpers below.
 
 Keys are handled as two halves of head_dim, [0, D/2) and [D/2, D): RoPE rotates channel i with
@@ -21,12 +21,11 @@ import triton
 import triton.language as tl
 
 from kvq_ao import format as fmt
+from kvq_ao.kernels.gpu.triton_blocks import _block_values, _levels
 
 # The format constants the kernels compare against, from their one definition (kvq_ao.format);
 # tl.constexpr, since a jit function may read only constexpr globals on a GPU.
-FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
 AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
-ONE_ROW = tl.constexpr(fmt.ONE_ROW)
 EMPTY_SLOT = tl.constexpr(fmt.EMPTY_SLOT)
 
 
@@ -53,50 +52,6 @@ def _min(x, axis: tl.constexpr):
 def _tanh(x):
     # tl has no tanh that the interpreter also runs; exact at both ends (exp overflows to inf -> -1)
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
-
-
-@triton.jit
-def _dequant(codes, scale, zero, levels, out_val, out_idx, row, t, d, ok_t, ok_d, T,
-             D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr,
-             CODEBOOK: tl.constexpr, N_OUT: tl.constexpr):  # fmt: skip
-    """Float32 [len(t), len(d)] values of operand row `row` (= batch * heads + head) at token
-    positions t and channels d, from the planar packed layout of `kvq_ao.quant.packing`."""
-    ok = ok_t[:, None] & ok_d[None, :]
-    vec = row * T + t  # int64 vector index [len(t)]
-    if BITS == FLOAT_BITS:  # a float body
-        x = tl.load(codes + vec[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    else:
-        ROW_BYTES: tl.constexpr = D * BITS // 8
-        if BITS == 3:  # 24-bit words of 8 codes, stored as three byte planes of P bytes
-            P3: tl.constexpr = D // 8
-            at = codes + vec[:, None] * ROW_BYTES + (d % P3)[None, :]
-            word = tl.load(at, mask=ok, other=0).to(tl.int32)
-            word = word | (tl.load(at + P3, mask=ok, other=0).to(tl.int32) << 8)
-            word = word | (tl.load(at + 2 * P3, mask=ok, other=0).to(tl.int32) << 16)
-            shift = (d // P3) * 3
-        else:  # 8 // BITS codes per byte, plane i in bits [i * BITS, (i + 1) * BITS)
-            P: tl.constexpr = D * BITS // 8
-            word = tl.load(codes + vec[:, None] * ROW_BYTES + (d % P)[None, :], mask=ok, other=0).to(tl.int32)
-            shift = (d // P) * BITS
-        code = (word >> shift[None, :]) & ((1 << BITS) - 1)
-        if CODEBOOK:
-            level = tl.load(levels + code)
-        else:
-            level = code.to(tl.float32)
-        if AXIS == AXIS_TOKEN:  # per-token groups: metadata [.., T, D / GROUP]
-            meta = vec[:, None] * (D // GROUP) + (d // GROUP)[None, :]
-        elif GROUP == ONE_ROW:  # calibrated ranges: one row [.., 1, D] for every position
-            meta = (row + t * 0)[:, None] * D + d[None, :]
-        else:  # per-channel groups of GROUP tokens: metadata [.., T / GROUP, D]
-            meta = (row * (T // GROUP) + t // GROUP)[:, None] * D + d[None, :]
-        s = tl.load(scale + meta, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(zero + meta, mask=ok, other=0.0).to(tl.float32)
-        x = level * s + z
-    for j in tl.static_range(N_OUT):  # exact outliers replace their channel
-        idx = tl.load(out_idx + vec * N_OUT + j, mask=ok_t, other=EMPTY_SLOT).to(tl.int32)
-        val = tl.load(out_val + vec * N_OUT + j, mask=ok_t, other=0.0).to(tl.float32)
-        x = tl.where(d[None, :] == idx[:, None], val[:, None], x)
-    return x
 
 
 @triton.jit
@@ -140,20 +95,6 @@ def _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP: tl.constexpr, 
     if SOFTCAP:
         s = softcap * _tanh(s / softcap)
     return tl.where(allow, s, float("-inf"))
-
-
-@triton.jit
-def _body_keys(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq, rope_scale,
-               D: tl.constexpr, HALF: tl.constexpr, PRE_ROPE: tl.constexpr, K_BITS: tl.constexpr, K_AXIS: tl.constexpr,
-               K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr):  # fmt: skip
-    """Key halves [n, DH] of body positions t [n] dequantized from the packed codes, rotated at t when pre-RoPE."""
-    k1 = _dequant(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T,
-                  D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-    k2 = _dequant(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh + HALF, ok_t, ok_dh, T,
-                  D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-    if PRE_ROPE:
-        k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
-    return k1, k2
 
 
 @triton.jit
@@ -233,6 +174,10 @@ def _chunk_attention(
     q_ok = ok_r[:, None] & ok_dh[None, :]
     q1 = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
     q2 = tl.load(q_at + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    qf = tl.load(q + ((b * HQ + qh).to(tl.int64) * TQ + qi)[:, None] * D + tl.arange(0, D)[None, :], mask=ok_r[:, None],
+                 other=0.0).to(tl.float32)  # fmt: skip
+    k_levels = _levels(k_codebook, K_BITS, K_CODEBOOK)
+    v_levels = _levels(v_codebook, V_BITS, V_CODEBOOK)
     if PER_QUERY_END:
         end = tl.load(body_end + qi, mask=ok_r, other=0)
     else:
@@ -259,11 +204,19 @@ def _chunk_attention(
         allow = allow & (t[None, :] >= lo[:, None]) & (t[None, :] < hi[:, None])
         if BOUNDS == 0:
             allow = allow & (tl.load(mask + mask_row[:, None] + t[None, :], mask=allow, other=0) != 0)
-        k1, k2 = _body_keys(k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx, row, t, dh, ok_t, ok_dh, T, inv_freq,
-                            rope_scale, D, HALF, PRE_ROPE, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        s = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
-        v = _dequant(v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx, row, t, dv, ok_t, ok_dv, T,
-                     DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
+        k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, D,
+                          K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+        if PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
+            k1, k2 = tl.split(tl.permute(tl.reshape(k, [BLOCK_T, 2, HALF]), (0, 2, 1)))
+            k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
+            s = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
+        else:
+            s = tl.dot(qf, tl.trans(k), input_precision=PRECISION) * scaling
+            if SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            s = tl.where(allow, s, float("-inf"))
+        v = _block_values(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, DV,
+                          V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
         m, l, acc = _softmax_step_dot(m, l, acc, s, v, PRECISION)
     for s0 in range(0, S, BLOCK_S):  # the side store: each row reads the entries outside its body range
         j = s0 + tl.arange(0, BLOCK_S)

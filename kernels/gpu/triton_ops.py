@@ -11,6 +11,7 @@ tensors runs the same kernels in Triton's interpreter.
 
 from __future__ import annotations
 
+import sys
 import types
 from types import ModuleType
 
@@ -47,14 +48,18 @@ _INTERPRETED: dict[str, dict] = {}
 def interpreted(module: ModuleType, name: str):
     """Kernel `name` of `module` in Triton's interpreter (runs on CPU tensors).
 
-    Built from a copy of the module's globals in which every jit function (its own and the helpers
-    it imported) is an interpreted function, so kernels call interpreted helpers, while the module's
+    Built from a copy of the module's globals (and those of the modules its helpers come from) in
+    which every jit function is an interpreted function, so kernels call interpreted helpers, while the module's
     JIT functions stay what torch.compile traces and GPUs compile. (Triton decides between the two
     at decoration time from TRITON_INTERPRET, and torch traces only JIT functions.)"""
     from triton.runtime.interpreter import InterpretedFunction
 
     if module.__name__ not in _INTERPRETED:
         space = dict(vars(module))
+        for value in list(space.values()):  # and the globals of the modules its helpers come from
+            if isinstance(value, triton.runtime.jit.JITFunction):
+                for key, item in vars(sys.modules[value.fn.__module__]).items():
+                    space.setdefault(key, item)
         for key, value in list(space.items()):
             if isinstance(value, triton.runtime.jit.JITFunction):
                 fn = value.fn
@@ -83,8 +88,8 @@ def _splits(q: torch.Tensor, rows: int, capacity: int, block: int) -> int:
 
 
 def decode_supported(named: dict) -> bool:
-    """Whether `kvq.triton_decode_attention` serves these arguments (named, as `named_arguments`
-    gives them): its tiles need a power-of-two head_dim and power-of-two groups."""
+    """Whether the Triton attention ops serve these arguments (named, as `named_arguments` gives
+    them): their block tiles need a power-of-two head_dim and power-of-two groups."""
     k, v = named["k"], named["v"]
     return triton_decode.supported(named["q"].shape[-1], k.group, v.group, k.bits, v.bits) and \
         triton_decode.supported(v.side.shape[-1], k.group, v.group, k.bits, v.bits)  # fmt: skip
@@ -169,6 +174,9 @@ def triton_chunk_attention(
     in tiles of CHUNK_BLOCK_Q queries x all query heads of a kv head, streaming the body block by
     block (no float cache, no [Tq, T] scores)."""
     named = _check_attention(named_arguments((), dict(locals())), decode=False)
+    if not decode_supported(named):
+        raise ValueError(f"kvq.triton_chunk_attention needs a power-of-two head_dim (>= 32) and power-of-two groups; got "
+                         f"head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group} (use kvq.chunk_attention)")  # fmt: skip
     b, hq, tq, d = q.shape
     ko, vo = named["k"], named["v"]
     hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
@@ -184,7 +192,7 @@ def triton_chunk_attention(
         S=s, TQ=tq, HKV=hkv, HQ=hq, scaling=scaling, rope_scale=rope_scale, softcap=softcap, BOUNDS=int(bounds),
         MASK_HEADS=1 if bounds else mask.shape[1], PER_QUERY_END=body_end.dim() == 1, **common["shape"],
         BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=BLOCK_T // 4 if q.dtype == torch.float32 else BLOCK_T, BLOCK_S=BLOCK_S,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **CHUNK_LAUNCH,
+        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", **CHUNK_LAUNCH,  # tf32x3: float32 accuracy on tensor cores
     )  # fmt: skip
     return out
 

@@ -48,7 +48,7 @@ def test_no_kernel_source_spells_the_operand_list_or_a_format_sentinel():
     sentinel = re.compile(r"(?<!%)(?<!% )\b(bits|BITS|group|GROUP)\s*[!=]=\s*0\b|\bONE_ROW\s*=\s*\d|\bif\s+group\s+else\b")
     offenders = []
     for path in sources:
-        if path.name in ("triton_attention.py", "triton_decode.py"):  # jit parameters: bound by name, checked below
+        if path.name in ("triton_attention.py", "triton_decode.py", "triton_blocks.py"):  # jit parameters: bound by name, checked below
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if listed.search(line) or sentinel.search(line):

@@ -291,19 +291,28 @@ def test_the_gpu_benchmark_dry_run_checks_and_times_every_section(tmp_path):
     assert all(r["ms"] > 0 for r in rows if "ms" in r) and result["seconds"] > 0
 
 
-def test_decode_shapes_the_split_kernel_cannot_tile_go_to_the_kvq_op():
-    """The split kernel tiles power-of-two head_dims (>= 32) and groups; a head_dim of 96 is served
-    by `kvq.decode_attention` (on CUDA: the reference), and the Triton op refuses it by name."""
+def test_shapes_the_block_tiles_cannot_take_go_to_the_kvq_ops():
+    """The Triton attention kernels tile power-of-two head_dims (>= 32) and groups; a head_dim of 96
+    or a group of 24 is served by `kvq.decode_attention` / `kvq.chunk_attention` (on CUDA: the
+    reference), and the Triton ops refuse such shapes by name."""
     from types import SimpleNamespace
 
     def operands(d, group=16):
         return SimpleNamespace(group=group, bits=4), SimpleNamespace(group=group, bits=4, side=torch.empty(1, 1, 1, d))
 
+    def q(d, tq=1):
+        return torch.empty(1, 2, tq, d)
+
     with gpu.on_cpu():
-        assert gpu.decode_op(torch.empty(1, 2, 1, 64), *operands(64)) is torch.ops.kvq.triton_decode_attention
-        assert gpu.decode_op(torch.empty(1, 2, 1, 96), *operands(96)) is torch.ops.kvq.decode_attention
-        assert gpu.decode_op(torch.empty(1, 2, 1, 64), *operands(64, group=24)) is torch.ops.kvq.decode_attention
-    assert gpu.decode_op(torch.empty(1, 2, 1, 64), *operands(64)) is torch.ops.kvq.decode_attention  # CPU: the native kernel
+        assert gpu.attention_op(q(64), *operands(64)) is torch.ops.kvq.triton_decode_attention
+        assert gpu.attention_op(q(64, 5), *operands(64)) is torch.ops.kvq.triton_chunk_attention
+        assert gpu.attention_op(q(96), *operands(96)) is torch.ops.kvq.decode_attention
+        assert gpu.attention_op(q(96, 5), *operands(96)) is torch.ops.kvq.chunk_attention
+        assert gpu.attention_op(q(64), *operands(64, group=24)) is torch.ops.kvq.decode_attention
+    assert gpu.attention_op(q(64), *operands(64)) is torch.ops.kvq.decode_attention  # CPU: the native kernel
     named = native_case(0, d=96, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_TOKEN, 16, False, 0))
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         triton_attention(named)
+    chunk = streaming_case(0, 5, (4, AXIS_CHANNEL, False, 0), (4, AXIS_TOKEN, False, 0), d=48)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        attend(chunk, torch.ops.kvq.triton_chunk_attention)
