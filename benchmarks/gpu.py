@@ -453,7 +453,7 @@ def main() -> None:
     p.add_argument("--check-length", type=int, default=4133)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--sections", default="conformance,attention,launch,prefill,step")
-    p.add_argument("--out", default="results/gpu", help="folder for gpu.json")
+    p.add_argument("--out", default="results/gpu", help="folder for gpu.json (or the .json file itself)")
     args = p.parse_args()
     from kvq_ao.kernels import gpu
 
@@ -474,7 +474,7 @@ def main() -> None:
         device, context, copy_mib = torch.device("cuda"), contextlib.nullcontext(), 2048
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     nominal = next((bw for key, bw in NOMINAL_GBS.items() if key in name), None)
-    out = Path(args.out) / "gpu.json"
+    out = Path(args.out) if args.out.endswith(".json") else Path(args.out) / "gpu.json"  # a file also works
     rows: list[dict] = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     import triton

@@ -289,6 +289,9 @@ def test_the_gpu_benchmark_dry_run_checks_and_times_every_section(tmp_path):
     step = [r for r in rows if r["section"] == "step"]
     assert {r["format"] for r in step} == {"bf16-static", "kivi-2"} and all(r["model_ms"] > 0 for r in step)
     assert all(r["ms"] > 0 for r in rows if "ms" in r) and result["seconds"] > 0
+    named = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--sections", "launch", "--out", str(tmp_path / "a.json")],
+                           cwd=root, capture_output=True, text=True, timeout=600)  # the command prepare-carry prints names a file
+    assert named.returncode == 0 and json.loads((tmp_path / "a.json").read_text())["rows"], named.stderr[-2000:]
 
 
 def test_shapes_the_block_tiles_cannot_take_go_to_the_kvq_ops():
