@@ -320,22 +320,17 @@ def launch(args, device, dtype, emit) -> None:
 
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     n = [int(x) for x in args.lengths.split(",")][-1]
-    chosen = dict(triton_ops.DECODE_LAUNCH)
     presets = args.presets.split(",")
-    try:
-        for shape_name, batch in (("smollm2", 1), ("llama3-8b", 8)):
-            for preset in dict.fromkeys([presets[0], presets[-1]]):
-                named = layer_arguments(preset, batch, n, n, device, dtype, shape=shapes[shape_name])
-                for warps, stages, maxnreg in LAUNCH_OPTIONS[:2] if args.dry_run else LAUNCH_OPTIONS:
-                    triton_ops.DECODE_LAUNCH.clear()
-                    triton_ops.DECODE_LAUNCH.update(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    for shape_name, batch in (("smollm2", 1), ("llama3-8b", 8)):
+        for preset in dict.fromkeys([presets[0], presets[-1]]):
+            named = layer_arguments(preset, batch, n, n, device, dtype, shape=shapes[shape_name])
+            for warps, stages, maxnreg in LAUNCH_OPTIONS[:2] if args.dry_run else LAUNCH_OPTIONS:
+                options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+                with triton_ops.decode_launch(**options):
                     ms = median_ms(lambda: torch.ops.kvq.triton_decode_attention(**op_args(named)), device, args.repeats)
-                    emit(dict(section="launch", shape=shape_name, batch=batch, format=preset, tokens=n, num_warps=warps,
-                              num_stages=stages, maxnreg=maxnreg, ms=ms, gbs=bytes_read(named) / (ms / 1000) / 1e9,
-                              current=dict(triton_ops.DECODE_LAUNCH) == chosen))  # fmt: skip
-    finally:
-        triton_ops.DECODE_LAUNCH.clear()
-        triton_ops.DECODE_LAUNCH.update(chosen)
+                emit(dict(section="launch", shape=shape_name, batch=batch, format=preset, tokens=n, num_warps=warps,
+                          num_stages=stages, maxnreg=maxnreg, ms=ms, gbs=bytes_read(named) / (ms / 1000) / 1e9,
+                          current=options == triton_ops.DECODE_LAUNCH))  # fmt: skip
 
 
 def llama3_shaped(layers: int, device, dtype, dry_run: bool):

@@ -62,9 +62,7 @@ def attention_op(query: torch.Tensor, key, value):
     `kvq.chunk_attention`."""
     decode = query.shape[2] == 1
     if serves(query.device):
-        fits = _STATE["blocks_supported"]
-        if fits(query.shape[-1], key.group, value.group, key.bits, value.bits) and \
-                fits(value.side.shape[-1], key.group, value.group, key.bits, value.bits):  # fmt: skip
+        if _STATE["blocks_supported"](query.shape[-1], key, value):
             return torch.ops.kvq.triton_decode_attention if decode else torch.ops.kvq.triton_chunk_attention
     return torch.ops.kvq.decode_attention if decode else torch.ops.kvq.chunk_attention
 

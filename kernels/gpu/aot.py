@@ -110,9 +110,7 @@ def recorded_launches(run: bool = True):
         class Grid:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
-                    if "DOT_F32" in kwargs:  # record what a GPU compiles, not the interpreter's bfloat16 workaround
-                        kwargs_gpu = dict(kwargs, DOT_F32=kwargs["PRECISION"] == "ieee")
-                    launches.append(launch_of(fn, module.__name__, args, kwargs_gpu if "DOT_F32" in kwargs else kwargs))
+                    launches.append(launch_of(fn, module.__name__, args, kwargs))
                     if run:
                         kernel[grid](*args, **kwargs)
 

@@ -22,11 +22,13 @@ ONE_ROW = tl.constexpr(fmt.ONE_ROW)
 EMPTY_SLOT = tl.constexpr(fmt.EMPTY_SLOT)
 
 
-def supported(head_dim: int, k_group: int, v_group: int, k_bits: int, v_bits: int) -> bool:
-    """Whether the block tiles take these shapes: power-of-two head_dim (>= 32) and groups."""
+def supported(head_dim: int, k, v) -> bool:
+    """Whether the block tiles take queries of `head_dim` over operands k and v (anything with
+    `group`, `bits` and a `side` store [..., Dv]: a `kvq_ao.format.Operand` or a QuantizedKV):
+    power-of-two head_dims (>= 32, keys and values) and power-of-two groups."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-    groups = all(pow2(g) or g == fmt.ONE_ROW or b == fmt.FLOAT_BITS for g, b in ((k_group, k_bits), (v_group, v_bits)))
-    return pow2(head_dim) and head_dim >= 32 and groups
+    groups = all(pow2(o.group) or o.group == fmt.ONE_ROW or o.bits == fmt.FLOAT_BITS for o in (k, v))
+    return all(pow2(d) and d >= 32 for d in (head_dim, v.side.shape[-1])) and groups
 
 
 @triton.jit

@@ -26,7 +26,7 @@ loads:
 * `_decode_merge`: program (b * Hkv + h) merges the splits by log-sum-exp, attends the full-precision
   side store (sink and recent window), normalizes and writes the output in the model's dtype.
 
-Shapes this layout needs: a power-of-two head_dim and power-of-two groups (`supported`); other shapes
+Shapes this layout needs: a power-of-two head_dim and power-of-two groups (`triton_blocks.supported`); other shapes
 run `kvq.decode_attention`. The same sources run on CPU tensors in Triton's interpreter
 (`triton_ops.interpreted`), which is how they are tested without a GPU.
 """
@@ -39,7 +39,7 @@ import triton.language as tl
 from kvq_ao import format as fmt
 from kvq_ao.kernels.gpu.triton_attention import (_allowed, _max, _query_halves, _rope, _scores, _side_keys, _softmax_step, _sum,
                                                  _tanh)
-from kvq_ao.kernels.gpu.triton_blocks import _block_levels, _block_values, _levels, supported
+from kvq_ao.kernels.gpu.triton_blocks import _block_levels, _block_values, _levels
 
 FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
 AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
@@ -51,6 +51,15 @@ def block_tokens(head_dim: int, float32: bool = False, pre_rope: bool = False) -
     models (whose products run on FMA units, not tensor cores) and half for pre-RoPE keys (their
     rotation holds a cosine and a sine per element): no spills on sm_80/sm_90, triton 3.6 to 3.9."""
     return max(16, min(512, 8192 // head_dim // (4 if float32 else 1) // (2 if pre_rope else 1)))
+
+
+@triton.jit
+def _kv_head(HKV, N: tl.constexpr, ROWS: tl.constexpr):
+    """This program's kv head (program 0 = b * HKV + h): its operand row, batch b, ROWS row indices
+    for the N query heads that share it, which of them are real, and their query-head numbers."""
+    pid = tl.program_id(0)
+    heads = tl.arange(0, ROWS)
+    return pid.to(tl.int64), pid // HKV, heads, heads < N, (pid % HKV) * N + heads
 
 
 @triton.jit
@@ -69,13 +78,8 @@ def _decode_split(
     matrix rows; writes the first NP rows' running max, sum and weighted sum. The products take
     q's dtype (float32 with DOT_F32: float32 models, and bfloat16 in Triton's interpreter, whose
     bfloat16 tl.dot is wrong)."""
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    row = pid.to(tl.int64)
-    b = pid // HKV
-    heads = tl.arange(0, M)
-    ok_h = heads < N
-    qh = (pid % HKV) * N + heads
+    row, b, heads, ok_h, qh = _kv_head(HKV, N, M)
     dh = tl.arange(0, HALF)
     q_at = q + (b * HQ + qh)[:, None] * D + dh[None, :]
     q1 = tl.load(q_at, mask=ok_h[:, None], other=0.0)  # [M, D/2]: halves, for keys rotated at their positions
@@ -141,12 +145,7 @@ def _decode_merge(
     MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """Kv head (program 0 = b * HKV + h): merge the splits, attend the side store, write the output."""
-    pid = tl.program_id(0)
-    row = pid.to(tl.int64)
-    b = pid // HKV
-    heads = tl.arange(0, NP)
-    ok_h = heads < N
-    qh = (pid % HKV) * N + heads
+    row, b, heads, ok_h, qh = _kv_head(HKV, N, NP)
     dh = tl.arange(0, HALF)
     ok_dh = dh < HALF
     dv = tl.arange(0, DV)
@@ -180,4 +179,4 @@ def _decode_merge(
     tl.store(at, result.to(out.dtype.element_ty), mask=ok_h[:, None])
 
 
-__all__ = ["_decode_merge", "_decode_split", "block_tokens", "supported"]
+__all__ = ["_decode_merge", "_decode_split", "block_tokens"]

@@ -11,6 +11,7 @@ tensors runs the same kernels in Triton's interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from types import ModuleType
@@ -19,7 +20,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from kvq_ao.kernels.gpu import triton_attention, triton_decode
+from kvq_ao.kernels.gpu import triton_attention, triton_blocks, triton_decode
 from kvq_ao.kernels.gpu import triton_quantize as triton_quantize_kernels
 from kvq_ao.format import OPERAND_TENSORS, Operand, midpoints
 from kvq_ao.ops import _check_attention, _check_quantize, _check_quantize_fixed, _meta_shapes, named_arguments
@@ -39,6 +40,7 @@ DECODE_LAUNCH = {"num_warps": 8, "num_stages": 1, "maxnreg": 255}
 MERGE_LAUNCH = {"num_warps": 4, "maxnreg": 255}
 CHUNK_LAUNCH = {"num_warps": 8, "maxnreg": 255}  # a chunk program's tiles: 16 queries x the query heads of a kv head
 QUANTIZE_LAUNCH = {"maxnreg": 255}
+_DECODE_OVERRIDE: list[dict] = []  # launch options `decode_launch` puts in force for a block
 INTERPRETER_SPLITS = 3  # on CPU: enough splits that the merge is exercised, few enough to be quick
 
 
@@ -73,8 +75,37 @@ def _launcher(module: ModuleType, name: str, like: torch.Tensor):
     from torch._subclasses.fake_tensor import is_fake
 
     if like.device.type == "cpu" and not is_fake(like):
-        return interpreted(module, name)
+        return _Interpreted(interpreted(module, name), like.dtype)
     return wrap_triton(getattr(module, name))
+
+
+class _Interpreted:
+    """An interpreted kernel launched as `kernel[grid](...)`, with the interpreter's one workaround:
+    its bfloat16 `tl.dot` is wrong, so kernels that take DOT_F32 compute their products in float32
+    for bfloat16 inputs (what a GPU compiles is what the op passes)."""
+
+    def __init__(self, kernel, dtype: torch.dtype):
+        self.kernel, self.dtype = kernel, dtype
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if "DOT_F32" in kwargs and self.dtype == torch.bfloat16:
+                kwargs = dict(kwargs, DOT_F32=True)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@contextlib.contextmanager
+def decode_launch(**options):
+    """Within the block, split programs launch with `options` (num_warps, num_stages, maxnreg)
+    instead of DECODE_LAUNCH: how benchmarks/gpu.py times the alternatives on a GPU. The table
+    itself is never changed."""
+    _DECODE_OVERRIDE.append(options)
+    try:
+        yield
+    finally:
+        _DECODE_OVERRIDE.pop()
 
 
 def _splits(q: torch.Tensor, rows: int, capacity: int, block: int) -> int:
@@ -87,12 +118,6 @@ def _splits(q: torch.Tensor, rows: int, capacity: int, block: int) -> int:
     return max(1, min(blocks, SPLITS_PER_SM * sms // rows))
 
 
-def decode_supported(named: dict) -> bool:
-    """Whether the Triton attention ops serve these arguments (named, as `named_arguments` gives
-    them): their block tiles need a power-of-two head_dim and power-of-two groups."""
-    k, v = named["k"], named["v"]
-    return triton_decode.supported(named["q"].shape[-1], k.group, v.group, k.bits, v.bits) and \
-        triton_decode.supported(v.side.shape[-1], k.group, v.group, k.bits, v.bits)  # fmt: skip
 
 
 def _operand_launch(o: Operand, prefix: str, dummy: torch.Tensor) -> tuple[dict, dict]:
@@ -130,7 +155,7 @@ def triton_decode_attention(
     """`kvq::decode_attention` (same arguments, same result) in Triton: q [B, Hq, 1, D] over one
     layer's packed cache -> [B, Hq, 1, Dv] in q's dtype."""
     named = _check_attention(named_arguments((), dict(locals())), decode=True)
-    if not decode_supported(named):
+    if not triton_blocks.supported(q.shape[-1], named["k"], named["v"]):
         raise ValueError(f"kvq.triton_decode_attention needs a power-of-two head_dim (>= 32) and power-of-two groups; got "
                          f"head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group} (use kvq.decode_attention)")  # fmt: skip
     b, hq, _, d = q.shape
@@ -151,8 +176,8 @@ def triton_decode_attention(
         q=q, **operands, mask=mask_arg, inv_freq=common["inv_freq"], body_end=body_end, part_m=part_m, part_l=part_l,
         part_acc=part_acc, body_start=body_start, T=t, HKV=hkv, HQ=hq, n_splits=splits, scaling=scaling,
         rope_scale=rope_scale, softcap=softcap, NP=np_, M=max(16, np_), MASK_HEADS=mask.shape[1], **shape, BLOCK_T=block,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **DECODE_LAUNCH,
-        DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **(_DECODE_OVERRIDE or [DECODE_LAUNCH])[-1],
+        DOT_F32=q.dtype == torch.float32,  # float32 models: FMA products (tensor cores take 16-bit inputs)
     )  # fmt: skip
     merge_shape = {k: v for k, v in shape.items() if not k.startswith(("K_", "V_"))}
     _launcher(triton_decode, "_decode_merge", q)[(b * hkv,)](
@@ -174,7 +199,7 @@ def triton_chunk_attention(
     in tiles of CHUNK_BLOCK_Q queries x all query heads of a kv head, streaming the body block by
     block (no float cache, no [Tq, T] scores)."""
     named = _check_attention(named_arguments((), dict(locals())), decode=False)
-    if not decode_supported(named):
+    if not triton_blocks.supported(q.shape[-1], named["k"], named["v"]):
         raise ValueError(f"kvq.triton_chunk_attention needs a power-of-two head_dim (>= 32) and power-of-two groups; got "
                          f"head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group} (use kvq.chunk_attention)")  # fmt: skip
     b, hq, tq, d = q.shape
