@@ -33,6 +33,7 @@ from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
+from kvq_ao.quant import rotation
 from kvq_ao.quant.rope import unrotate
 from kvq_ao.format import encode, format_ints
 from kvq_ao.quant.uniform import fixed_range
@@ -282,6 +283,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.side_v = torch.zeros(b, h, n_side, dv, dtype=side_dtype, device=self.device)
         self.side_pos = torch.full((n_side,), -1, dtype=torch.int64, device=self.device)
         self.body_end = torch.zeros((), dtype=torch.int64, device=self.device)
+        # rotated formats: keys and values are stored x R (`kvq_ao.quant.rotation`); empty: not rotated
+        none = torch.zeros(0, 0, device=self.device)
+        self.k_rot = rotation.rotation_matrix(d, self.device) if self.spec.key.rotated else none
+        self.v_rot = rotation.rotation_matrix(dv, self.device) if self.spec.value.rotated else none
         self.is_initialized = True
 
     def _boundary(self, length: int) -> int:
@@ -316,6 +321,10 @@ class QuantizedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.rope_inv_freq.numel():
             key_states = self._unrotate(key_states)
+        if self.k_rot.numel():
+            key_states = rotation.rotate(key_states, self.k_rot)
+        if self.v_rot.numel():
+            value_states = rotation.rotate(value_states, self.v_rot)
         if self.side_k.dtype != key_states.dtype:  # what a side store of its dtype would give back, on every path
             key_states = key_states.to(self.side_k.dtype).to(key_states.dtype)
             value_states = value_states.to(self.side_v.dtype).to(value_states.dtype)
@@ -595,8 +604,10 @@ class QuantizedLayer(CacheLayerMixin):
         k, v = self.k_body, self.v_body
         side_k, side_v, side_pos, body_end = side or (self.side_k, self.side_v, self.side_pos, self.body_end)
         shared = dict(side_pos=side_pos, body_end=body_end, body_start=self.sink, logical_dtype=self.dtype)
-        keys = QuantizedKV(**k.operand_fields(), side=side_k, rope_inv_freq=self.rope_inv_freq, rope_scale=self.rope_scale, **shared)
-        values = QuantizedKV(**v.operand_fields(), side=side_v, rope_inv_freq=self.rope_inv_freq[:0], rope_scale=1.0, **shared)
+        keys = QuantizedKV(**k.operand_fields(), side=side_k, rope_inv_freq=self.rope_inv_freq, rope_scale=self.rope_scale,
+                           rotation=self.k_rot, **shared)  # fmt: skip
+        values = QuantizedKV(**v.operand_fields(), side=side_v, rope_inv_freq=self.rope_inv_freq[:0], rope_scale=1.0,
+                             rotation=self.v_rot, **shared)  # fmt: skip
         return keys, values
 
     @property

@@ -37,6 +37,7 @@ from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.model_info import check_model, model_dims, rotary_of
 from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN, cache_dir, calibration_windows, pydoc_text, text_windows
+from kvq_ao.quant import rotation
 from kvq_ao.quant.rope import rotate
 from kvq_ao.quant.codebook import normalize
 from kvq_ao.quant.outliers import split_vector_outliers
@@ -337,6 +338,11 @@ def fit(acts: Activations, config: KVQuantConfig, fisher: bool = True, use_qnorm
         spec: QuantSpec = getattr(specs[i], kind)
         x_all, f_all = acts.of(kind)
         x, f = x_all[i], f_all[i]
+        if spec.rotated:  # fitted to what the cache stores: x R. The Fisher weight of a rotated
+            # coordinate needs the gradient itself, (g R)_j^2; with g^2 alone, its expectation over
+            # a rotation that spreads g evenly, |g|^2 / D, for every coordinate of the vector
+            x = rotation.rotate(x, rotation.rotation_matrix(x.shape[-1], x.device))
+            f = f.mean(-1, keepdim=True).expand_as(f)
         lo = hi = None
         if spec.calibrated_ranges or (spec.outliers > 0 and spec.outlier_rule == "channel"):
             # Calibrated ranges leave the sink tokens out (kept in full precision, they would set

@@ -21,6 +21,7 @@ import torch
 from kvq_ao._torchao import AOBaseConfig
 from kvq_ao.quant.outliers import outlier_slots
 from kvq_ao.quant.packing import SUPPORTED_BITS
+from kvq_ao.quant.rotation import ROTATIONS
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN
 
 AXES = {"token": AXIS_TOKEN, "channel": AXIS_CHANNEL}
@@ -66,6 +67,11 @@ class QuantSpec:
           takes it from a calibration (the channel's outlier thresholds, or its calibration
           min/max without outliers), so every token is quantized on arrival and the body holds no
           per-token metadata at all (`group_size` is then unused).
+    rotation: "hadamard" stores each vector rotated by a fixed randomized Hadamard matrix of
+          head_dim (`kvq_ao.quant.rotation`): attention rotates the query (keys) or rotates its
+          output back (values), so results are those of the unrotated vectors, while the rotated
+          coordinates carry no outlier channels and fit a per-vector range. Keys need post-RoPE
+          storage (RoPE acts on channel pairs a rotation mixes).
     """
 
     bits: int | None = None
@@ -77,6 +83,7 @@ class QuantSpec:
     max_outliers: int | None = None
     outlier_dtype: str = "model"
     ranges: str = "online"
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -106,6 +113,8 @@ class QuantSpec:
             raise ValueError(f"outlier_dtype must be one of {OUTLIER_DTYPES}, got {self.outlier_dtype!r}")
         if self.ranges not in RANGES:
             raise ValueError(f"ranges must be one of {RANGES}, got {self.ranges!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.ranges == "calibrated" and self.axis != "channel":
             raise ValueError("ranges 'calibrated' needs axis 'channel' (it fixes each channel's range; per-token "
                              "groups take their range from each token)")  # fmt: skip
@@ -123,6 +132,11 @@ class QuantSpec:
     @property
     def is_quantized(self) -> bool:
         return self.bits is not None
+
+    @property
+    def rotated(self) -> bool:
+        """Stored rotated (`rotation`); an unquantized tensor is stored as it is."""
+        return self.is_quantized and self.rotation != "none"
 
     @property
     def axis_id(self) -> int:
@@ -164,7 +178,7 @@ class QuantSpec:
         out += f"x{self.max_outliers}" if self.max_outliers is not None else ""
         out += {"model": "", "float16": "/f16", "bfloat16": "/bf16"}[self.outlier_dtype] if self.outliers else ""
         grouping = "cal" if self.calibrated_ranges else f"{self.axis[0]}{self.group_size}"
-        return f"{kind}{self.bits}-{grouping}{out}"
+        return ("rot-" if self.rotation != "none" else "") + f"{kind}{self.bits}-{grouping}{out}"
 
     def to_dict(self) -> dict[str, Any]:
         d = {"bits": "none" if self.bits is None else self.bits, "axis": self.axis, "group_size": self.group_size}
@@ -180,19 +194,22 @@ class QuantSpec:
             d["outlier_dtype"] = self.outlier_dtype
         if self.ranges != "online":
             d["ranges"] = self.ranges
+        if self.rotation != "none":
+            d["rotation"] = self.rotation
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
         _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers", "outlier_dtype",
-                       "ranges"},
+                       "ranges", "rotation"},
                     "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
         return cls(bits=bits, axis=d.get("axis", "token"), group_size=d.get("group_size", 32),
                    dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0),
                    outlier_rule=d.get("outlier_rule", "channel"), max_outliers=d.get("max_outliers"),
-                   outlier_dtype=d.get("outlier_dtype", "model"), ranges=d.get("ranges", "online"))  # fmt: skip
+                   outlier_dtype=d.get("outlier_dtype", "model"), ranges=d.get("ranges", "online"),
+                   rotation=d.get("rotation", "none"))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)
@@ -281,6 +298,9 @@ class KVQuantConfig(AOBaseConfig):
         if self.version != CONFIG_VERSION:
             raise ValueError(f"unsupported config version {self.version!r}; this kvq_ao reads version {CONFIG_VERSION}")
         for i, layer in enumerate(self.layers or (self.default,)):
+            if self.pre_rope_keys and layer.key.rotation != "none" and layer.key.is_quantized:
+                raise ValueError(f"layer {i}: rotated keys need pre_rope_keys false: RoPE turns channel pairs by "
+                                 "position-dependent angles, which a rotation of head_dim does not commute with")  # fmt: skip
             block = layer.token_block
             if block > 1 and self.sink_tokens >= block:
                 raise ValueError(

@@ -150,7 +150,9 @@ def _check_codebook_shape(codebook: torch.Tensor, bits: int) -> None:
 def dequantize(operand, format, dtype) -> torch.Tensor:
     """One operand's body (its lists, `kvq_ao.format`; the side entry is not read): packed codes
     [..., T, D*bits/8] -> [..., T, D] in dtype (a float format: codes are the values)."""
-    return reference.dequantize_operand(_check_dequantize(operand, format), dtype)
+    o = _check_dequantize(operand, format)
+    x = reference.dequantize_operand(o, dtype)
+    return x.clone() if x is o.codes else x  # a float body in its own dtype: an op's output may not alias its input
 
 
 @dequantize.register_fake

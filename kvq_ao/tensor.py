@@ -8,6 +8,9 @@ A wrapper tensor subclass (on torchao's `TorchAOBaseTensor`) whose logical value
   `codebook` (empty: uniform levels), `out_val`/`out_idx` (exact outliers, k per vector);
 * `rope_inv_freq` (empty unless keys are stored before RoPE) and `rope_scale`: the rotation
   applied to each key at its own position when it is read;
+* `rotation` ([D, D], empty unless the format is rotated, `kvq_ao.quant.rotation`): every stored
+  vector, body and side, is x R; attention rotates the query by the keys' R and rotates its output
+  back by the values' R^T, and `dequantize()` gives the unrotated vectors;
 * `side`, `side_pos`: full-precision entries (sink tokens, recent window) and their positions;
 * `body_end` (0-dim int64 tensor, or [q_len] in the view a chunk of queries attends: one per query)
   and `body_start` (int): body positions in [body_start, body_end) are read from the codes, every
@@ -29,6 +32,7 @@ from kvq_ao._torchao import TorchAOBaseTensor
 from kvq_ao.format import AXIS_CHANNEL, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.ops import attention_arguments as op_arguments
+from kvq_ao.quant import rotation
 
 aten = torch.ops.aten
 
@@ -36,7 +40,7 @@ aten = torch.ops.aten
 class QuantizedKV(TorchAOBaseTensor):
     # The operand's fields come from their one definition (kvq_ao.format); torchao's flatten and
     # unflatten pass the tensors, then the attributes, positionally in these orders.
-    tensor_data_names = [*OPERAND_TENSORS, "side_pos", "body_end", "rope_inv_freq"]
+    tensor_data_names = [*OPERAND_TENSORS, "side_pos", "body_end", "rope_inv_freq", "rotation"]
     tensor_attribute_names = [*OPERAND_INTS, "body_start", "logical_dtype", "rope_scale"]
     _DEFAULTS = {"rope_scale": 1.0}
 
@@ -65,6 +69,10 @@ class QuantizedKV(TorchAOBaseTensor):
     def pre_rope(self) -> bool:
         return self.rope_inv_freq.numel() > 0
 
+    @property
+    def rotated(self) -> bool:
+        return self.rotation.numel() > 0
+
     def __repr__(self) -> str:
         fmt = "float" if is_float(self.bits) else f"{self.bits}-bit {'channel' if self.axis == AXIS_CHANNEL else 'token'} g{self.group}"
         if self.codebook.numel():
@@ -73,6 +81,8 @@ class QuantizedKV(TorchAOBaseTensor):
             fmt += f" +{self.out_val.shape[-1]} outliers/vector"
         if self.pre_rope:
             fmt += " pre-RoPE"
+        if self.rotated:
+            fmt += " rotated"
         return f"QuantizedKV(shape={tuple(self.shape)}, {fmt}, side={self.side.shape[2]})"
 
     def body(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -81,7 +91,8 @@ class QuantizedKV(TorchAOBaseTensor):
         return torch.ops.kvq.dequantize(*operand(self).lists(), dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The logical [B, H, T, D] tensor (post-RoPE keys): body where it is read, side entries elsewhere.
+        """The logical [B, H, T, D] tensor (post-RoPE keys, unrotated): body where it is read, side
+        entries elsewhere.
 
         Positions the cache holds nowhere (beyond its length) are zero.
         """
@@ -99,6 +110,8 @@ class QuantizedKV(TorchAOBaseTensor):
             if self.pre_rope:
                 side = self._rotate(side, pos[use])
             out.index_copy_(2, pos[use], side)
+        if self.rotated:
+            out = rotation.unrotate(out, self.rotation)
         return out
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -132,6 +145,8 @@ def _copy(func, types, args, kwargs):
         return dst
     if src.shape != dst.shape:
         raise ValueError(f"copy_ into QuantizedKV of shape {tuple(dst.shape)} from shape {tuple(src.shape)}")
+    if dst.rotated:
+        src = rotation.rotate(src, dst.rotation)
     if dst.body_start or dst.pre_rope or dst.out_val.shape[-1]:
         raise ValueError("copy_ of a float tensor is only supported into a QuantizedKV without sink tokens, "
                          "outliers or pre-RoPE keys (write through the cache's update() instead)")  # fmt: skip
@@ -184,7 +199,10 @@ def attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, mask: t
     `kvq.triton_chunk_attention` where their tiles take the head_dim and groups
     (`kvq_ao.kernels.gpu.attention_op`)."""
     op = gpu_kernels.attention_op(query, key, value)
-    return op(**attention_arguments(query, key, value, mask, scaling, softcap))
+    if key.rotated:  # (q R)(k R)^T = q k^T
+        query = rotation.rotate(query, key.rotation)
+    out = op(**attention_arguments(query, key, value, mask, scaling, softcap))
+    return rotation.unrotate(out, value.rotation) if value.rotated else out  # (P V R) R^T = P V
 
 
 __all__ = ["QuantizedKV", "attention", "attention_arguments", "operand"]

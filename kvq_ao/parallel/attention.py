@@ -12,6 +12,7 @@ from kvq_ao.format import Operand
 from kvq_ao.kernels import reference
 from kvq_ao.ops import attention_arguments
 from kvq_ao.parallel.merge import gather_merge, merge_partials
+from kvq_ao.quant import rotation
 from kvq_ao.quant.rope import rotate
 
 
@@ -55,6 +56,8 @@ def sharded_attention(query: torch.Tensor, key: ShardedKV, value: ShardedKV, mas
     """Attention of query [B, Hq, Tq, D] over a context-parallel layer -> [B, Hq, Tq, Dv] in query's
     dtype, the same on every rank (a collective: every rank of the layer's group must call it)."""
     layer = key.layer
+    if layer.k_rot.numel():  # rotated formats (kvq_ao.quant.rotation): the query as the keys are stored
+        query = rotation.rotate(query, layer.k_rot)
     plan = layer.plan
     ends = key.body_end
     decode = query.shape[2] == 1
@@ -86,7 +89,8 @@ def sharded_attention(query: torch.Tensor, key: ShardedKV, value: ShardedKV, mas
     out, lse = merge_partials(outs, lses)
     if plan.world > 1:
         out = gather_merge(out, lse, plan.group)
-    return out.to(query.dtype)
+    out = out.to(query.dtype)
+    return rotation.unrotate(out, layer.v_rot) if layer.v_rot.numel() else out
 
 
 __all__ = ["ShardedKV", "sharded_attention"]

@@ -1,0 +1,142 @@
+"""Rotated formats: keys and values stored x R, queries rotated, outputs rotated back."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.api import make_cache, quantize_kv_
+from kvq_ao.quant.rotation import rotate, rotation_matrix, unrotate
+from tests.conftest import kvquant_config, tiny_llama
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 80])
+def test_rotation_is_orthogonal_fixed_and_a_hadamard_where_it_can_be(head_dim):
+    r = rotation_matrix(head_dim).double()
+    torch.testing.assert_close(r @ r.T, torch.eye(head_dim, dtype=torch.float64), atol=1e-6, rtol=0)
+    assert torch.equal(rotation_matrix(head_dim), rotation_matrix(head_dim))  # the same matrix in every process
+    if head_dim & (head_dim - 1) == 0:  # every entry +-1/sqrt(D): each output mixes every channel equally
+        torch.testing.assert_close(r.abs(), torch.full_like(r, head_dim**-0.5), atol=1e-7, rtol=0)
+    x = torch.randn(3, head_dim, dtype=torch.float64)
+    torch.testing.assert_close(unrotate(rotate(x, r), r), x)
+
+
+def test_rotation_spreads_an_outlier_channel_over_all_channels():
+    x = torch.randn(256, 64)
+    x[:, 5] *= 40  # one channel 40x the others, as a key's massive channels
+    peak = lambda t: (t.abs().amax(-1) / t.pow(2).mean(-1).sqrt()).mean()  # noqa: E731  (max / RMS per vector)
+    assert peak(x) > 6 and peak(rotate(x, rotation_matrix(64))) < 3.5  # a Gaussian vector of 64: about 2.4
+
+
+def _config(bits: int, key_rot=True, value_rot=True, window: int = 0, dtype: str = "int") -> KVQuantConfig:
+    rot = lambda on: "hadamard" if on else "none"  # noqa: E731
+    return KVQuantConfig(default=LayerKV(QuantSpec(bits, "token", 64, dtype, rotation=rot(key_rot)),
+                                         QuantSpec(bits, "token", 64, dtype, rotation=rot(value_rot))),
+                         residual_length=window, name=f"rot-{bits}")  # fmt: skip
+
+
+def test_rotated_cache_dequantizes_to_the_unrotated_keys_and_values(tiny_model):
+    quantize_kv_(tiny_model, _config(8))
+    cache = make_cache(tiny_model)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tiny_model(ids, past_key_values=cache, use_cache=True)
+    plain = make_cache(tiny_model, KVQuantConfig.preset("fp"))
+    with torch.no_grad():
+        tiny_model(ids, past_key_values=plain, use_cache=True)
+    k, v = cache.layers[0].keys_values()
+    assert k.rotated and v.rotated
+    k_fp, v_fp = plain.layers[0].keys, plain.layers[0].values
+    k_q, v_q = k.dequantize()[:, :, :40], v.dequantize()[:, :, :40]
+    assert (k_q - k_fp).abs().max() < 0.02 * k_fp.abs().max()  # 8 bits per vector, rotated back
+    assert (v_q - v_fp).abs().max() < 0.02 * v_fp.abs().max()
+    assert (k.body()[:, :, :40] - k_fp).abs().max() > 0.1 * k_fp.abs().max()  # (stored rotated)
+
+
+def _teacher_forced_logits(model, ids: torch.Tensor, prompt: int, cache) -> torch.Tensor:
+    """Logits of every position after the prompt: the prompt prefilled, then one token a step."""
+    with torch.no_grad():
+        out = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+        for t in range(prompt, ids.shape[1] - 1):
+            out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("key_rot,value_rot", [(True, True), (True, False), (False, True)])
+def test_rotated_8bit_cache_decodes_as_the_fp_cache_does(key_rot, value_rot):
+    """Teacher-forced prefill and decode steps: the rotated 8-bit cache's logits are as close to
+    fp's as the unrotated 8-bit cache's (rotation changes where the rounding falls, not how much)."""
+    model = tiny_llama(seed=3)
+    ids = torch.randint(3, 128, (2, 36), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for name, cfg in (("fp", KVQuantConfig.preset("fp")), ("plain", _config(8, False, False)), ("rot", _config(8, key_rot, value_rot))):
+        quantize_kv_(model, cfg)
+        logits[name] = _teacher_forced_logits(model, ids, 24, make_cache(model))
+    err = {name: (logits[name] - logits["fp"]).abs().max().item() for name in ("plain", "rot")}
+    assert 0 < err["rot"] < 3 * err["plain"] + 1e-6 and err["rot"] < 0.01 * logits["fp"].abs().max().item(), err
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_rotation_lowers_the_error_of_a_per_vector_cache_on_keys_with_a_massive_channel(bits):
+    """The same per-vector format with and without rotation, on keys with one channel offset far
+    above the rest (as real keys have): the rotated cache's attention output is closer to exact."""
+    from kvq_ao.cache import QuantizedLayer
+    from kvq_ao.tensor import attention
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 1, 64) * 2
+    k = torch.randn(1, 2, 300, 64)
+    k[..., 7] += 30
+    v = torch.randn(1, 2, 300, 64)
+    ref = torch.softmax((q @ k.transpose(-1, -2)) / 8, -1) @ v
+    errors = {}
+    for rot in (False, True):
+        layer = QuantizedLayer(_config(bits, rot, rot).default)
+        layer.update(k, v)
+        k_view, v_view = layer.keys_values()
+        mask = torch.ones(1, 1, 1, k_view.shape[2], dtype=torch.bool)  # (the body's capacity)
+        errors[rot] = (attention(q, k_view, v_view, mask, 1 / 8) - ref).pow(2).mean().item()
+    assert errors[True] < 0.5 * errors[False], errors  # (3 bits: 0.015 vs 0.17; 4 bits: 0.011 vs 0.036)
+
+
+def test_rotated_keys_refuse_pre_rope_storage():
+    with pytest.raises(ValueError, match="rotated keys need pre_rope_keys false"):
+        KVQuantConfig(default=LayerKV(QuantSpec(3, "token", 64, rotation="hadamard"), QuantSpec(3, "token", 64)), pre_rope_keys=True)
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        QuantSpec(3, rotation="givens")
+
+
+def test_rotation_round_trips_through_json_and_names_itself(tmp_path):
+    cfg = _config(3, key_rot=True, value_rot=False)
+    cfg.save(tmp_path / "c.json")
+    back = KVQuantConfig.load(tmp_path / "c.json")
+    assert back == cfg and back.default.key.rotation == "hadamard" and back.default.value.rotation == "none"
+    assert back.default.key.label().startswith("rot-") and not back.default.value.label().startswith("rot-")
+
+
+def test_a_calibration_fitted_for_rotated_vectors_fits_them_and_only_them(tmp_path):
+    """nuq levels and calibrated key ranges of a rotated format are fitted to x R; a calibration
+    of the unrotated format is refused for it."""
+    model = tiny_llama()
+    cfg = kvquant_config(bits=3, outliers=0.0, pre_rope=False, sink=0, key_ranges="calibrated", model=model, folder=tmp_path)
+    rot = lambda s: dataclasses.replace(s, rotation="hadamard")  # noqa: E731
+    rotated = dataclasses.replace(cfg, default=LayerKV(rot(cfg.default.key), rot(cfg.default.value)), name="rotated",
+                                  calibration=None)  # fmt: skip
+    with pytest.raises(ValueError, match="calibrate this config"):
+        quantize_kv_(model, dataclasses.replace(rotated, calibration=cfg.calibration))
+        make_cache(model)
+    from kvq_ao.calibration import calibrate
+
+    ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+    calib = calibrate(model, ids, rotated, progress=False)
+    lo, hi = calib.layer(0)[0].lo, calib.layer(0)[0].hi
+    plain_lo = calibrate(model, ids, dataclasses.replace(cfg, calibration=None), progress=False).layer(0)[0].lo
+    # rotated ranges are the ranges of rotated keys: evener across channels than the raw ones
+    spread = lambda t: (t.abs().amax(-1) / t.abs().mean(-1)).mean()  # noqa: E731
+    assert not torch.allclose(lo, plain_lo) and spread(hi - lo) < spread(-plain_lo)
+    path = calib.save(tmp_path / "rotated.json")
+    quantize_kv_(model, dataclasses.replace(rotated, calibration=str(path)))
+    with torch.no_grad():
+        out = model.generate(ids[:1, :20], max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 26)
