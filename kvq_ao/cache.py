@@ -720,7 +720,9 @@ class QuantizedKVCache(Cache):
         return super().__new__(cls)
 
     def __init__(self, config: KVQuantConfig, num_layers: int, max_cache_len: int | None = None,
-                 calibration=None, rope: tuple[torch.Tensor, float] | None = None, reserve: int | None = None):  # fmt: skip
+                 calibration=None, rope=None, reserve: int | None = None):  # fmt: skip
+        """rope: for pre-RoPE keys, (inv_freq, attention_scaling) of the model's rotary embedding, or
+        a list of one per layer (models that rotate layer types differently, `model_info.rotary_of`)."""
         specs = config.resolve(num_layers)
         if config.needs_calibration and calibration is None:
             raise ValueError(f"config {config.name!r} uses calibrated datatypes or outliers: pass calibration= "
@@ -730,15 +732,21 @@ class QuantizedKVCache(Cache):
         if calibration is not None:
             calibration.check(config, num_layers)
         common = dict(sink_tokens=config.sink_tokens, residual_length=config.residual_length, scale_dtype=config.scale_dtype,
-                      rope=rope if config.pre_rope_keys else None, side_dtype=config.side_dtype)  # fmt: skip
+                      side_dtype=config.side_dtype)  # fmt: skip
+        ropes = [None] * num_layers
+        if config.pre_rope_keys:
+            ropes = list(rope) if isinstance(rope, list) else [rope] * num_layers
+            if len(ropes) != num_layers:
+                raise ValueError(f"rope lists {len(ropes)} rotary embeddings for a model of {num_layers} layers")
 
         def layer_calib(i: int):
             return calibration.layer(i) if calibration is not None else (None, None)
 
         if max_cache_len is None:
-            layers = [self._dynamic_layer(s, calibration=layer_calib(i), reserve=reserve, **common) for i, s in enumerate(specs)]
+            layers = [self._dynamic_layer(s, calibration=layer_calib(i), reserve=reserve, rope=ropes[i], **common)
+                      for i, s in enumerate(specs)]  # fmt: skip
         else:
-            layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, calibration=layer_calib(i), **common)
+            layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, calibration=layer_calib(i), rope=ropes[i], **common)
                       for i, s in enumerate(specs)]  # fmt: skip
         Cache.__init__(self, layers=layers)  # not the Static/DynamicCache constructors: they build float layers
         self.config = config

@@ -202,7 +202,7 @@ def collect(model, ids: torch.Tensor, pre_rope: bool, progress: bool = True) -> 
         handles.append(a.v_proj.register_forward_hook(hook(i, "value")))
     acts = {(i, kind): [] for i in range(n_layers) for kind in KINDS}
     fisher = {(i, kind): [] for i in range(n_layers) for kind in KINDS}
-    inv_freq, rope_scale = rotary_of(model)
+    ropes = rotary_of(model)  # per layer
     was_training = model.training
     requires = [p.requires_grad for p in model.parameters()]
     try:
@@ -221,6 +221,7 @@ def collect(model, ids: torch.Tensor, pre_rope: bool, progress: bool = True) -> 
                 g = leaf.grad.reshape(1, t, -1, head_dim).transpose(1, 2)[0].float()
                 if kind == "key" and not pre_rope:
                     pos = torch.arange(t)
+                    inv_freq, rope_scale = ropes[i]
                     a = rotate(a, pos, inv_freq, rope_scale)
                     g = rotate(g, pos, inv_freq, 1.0 / rope_scale)  # dL/dk_post = R dL/dk_pre / s
                 acts[(i, kind)].append(a)

@@ -53,22 +53,37 @@ def model_dims(model) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim
 
 
-def rotary_of(model) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention_scaling) of the model's rotary embedding, for pre-RoPE keys."""
+def rotary_of(model) -> list[tuple[torch.Tensor, float]]:
+    """(inv_freq, attention_scaling) of the rotary embedding of each layer, for pre-RoPE keys: one
+    embedding for all layers (Llama, Qwen, ...), or one per layer type where the model rotates its
+    layer types with different frequencies (Gemma-3's local and global layers: `<type>_inv_freq`
+    buffers, picked by `config.layer_types`)."""
+    n_layers = model_dims(model)[0]
     for m in model.modules():
         if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling"):
-            rope_type = getattr(m, "rope_type", "default")
-            if rope_type in ("dynamic", "longrope"):
-                raise ValueError(f"pre-RoPE keys need a position-independent rotary embedding; {rope_type!r} RoPE "
-                                 "changes its frequencies with the sequence length")  # fmt: skip
-            return m.inv_freq.detach().float().clone(), float(m.attention_scaling)
-        per_type = sorted(n[: -len("_inv_freq")] for n, _ in m.named_buffers(recurse=False) if n.endswith("_inv_freq")
-                          and not n.endswith("original_inv_freq"))  # fmt: skip
-        if len(per_type) > 1:
-            raise ValueError(f"pre-RoPE keys need one rotary embedding; {type(m).__name__} rotates its layer types "
-                             f"{per_type} with different frequencies (e.g. Gemma-3): use a preset that keeps keys "
-                             "post-RoPE (int8, kivi-*)")  # fmt: skip
+            _check_rope_type(getattr(m, "rope_type", "default"))
+            one = (m.inv_freq.detach().float().clone(), float(m.attention_scaling))
+            return [one] * n_layers
+        per_type = {n[: -len("_inv_freq")]: b for n, b in m.named_buffers(recurse=False) if n.endswith("_inv_freq")
+                    and not n.endswith("original_inv_freq")}  # fmt: skip
+        if per_type:
+            layer_types = getattr(text_config(model), "layer_types", None)
+            if not layer_types or len(layer_types) != n_layers or set(layer_types) - set(per_type):
+                raise ValueError(f"pre-RoPE keys: {type(m).__name__} rotates layer types {sorted(per_type)}, but the "
+                                 f"config's layer_types {layer_types} do not name one of them for every layer")  # fmt: skip
+            rope_types = getattr(m, "rope_type", {})
+            out = []
+            for kind in layer_types:
+                _check_rope_type(rope_types.get(kind, "default") if isinstance(rope_types, dict) else rope_types)
+                out.append((per_type[kind].detach().float().clone(), float(getattr(m, f"{kind}_attention_scaling", 1.0))))
+            return out
     raise ValueError("pre-RoPE keys: the model has no rotary embedding module (inv_freq, attention_scaling)")
+
+
+def _check_rope_type(rope_type: str) -> None:
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"pre-RoPE keys need a position-independent rotary embedding; {rope_type!r} RoPE "
+                         "changes its frequencies with the sequence length")  # fmt: skip
 
 
 __all__ = ["check_model", "model_dims", "rotary_of", "text_config", "SUPPORTED_MODEL_TYPES"]

@@ -61,7 +61,7 @@ def kvquant_config(bits: int = 3, outliers: float = 0.02, dtype: str = "nuq", pr
     return dataclasses.replace(cfg, calibration=str(path))
 
 
-def tiny_gemma(version: int = 3, layers: int = 4, seed: int = 0, softcap: float | None = 2.0):
+def tiny_gemma(version: int = 3, layers: int = 4, seed: int = 0, softcap: float | None = 2.0, vocab_size: int = 128):
     """A random Gemma-2 or Gemma-3 with what sets Gemma's attention apart: sliding and global layers
     (window 16, so short prompts already slide), MQA (1 kv head for 4 query heads), head_dim 256,
     query_pre_attn_scalar != head_dim, QK-norm (Gemma-3) and attention logit soft-capping (Gemma-2;
@@ -69,7 +69,7 @@ def tiny_gemma(version: int = 3, layers: int = 4, seed: int = 0, softcap: float 
     from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=1, head_dim=256, max_position_embeddings=512, sliding_window=16,
                   query_pre_attn_scalar=144, initializer_range=0.1)  # fmt: skip
     if version == 2:

@@ -118,11 +118,77 @@ def test_gemma3_exports_to_executorch_and_onnx_and_matches_eager(tmp_path):
         assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
 
 
-def test_gemma3_with_pre_rope_keys_is_refused_clearly():
-    """Gemma-3 rotates sliding and global layers with different RoPE bases; pre-RoPE keys
-    (KVQuant presets) would need one rotation per layer type, which kvq_ao does not carry yet."""
-    with pytest.raises(ValueError, match="RoPE"):
-        quantize_kv_(tiny_gemma(3), KVQuantConfig.preset("kvquant-4"))
+def test_gemma3_local_and_global_layers_each_get_their_own_rotary_embedding():
+    from kvq_ao.model_info import rotary_of
+
+    model = tiny_gemma(3)
+    ropes = rotary_of(model)
+    kinds = model.config.layer_types
+    assert len(ropes) == len(kinds) == 4 and set(kinds) == {"sliding_attention", "full_attention"}
+    emb = model.model.rotary_emb
+    for (inv_freq, scale), kind in zip(ropes, kinds):
+        assert torch.equal(inv_freq, getattr(emb, f"{kind}_inv_freq")) and scale == getattr(emb, f"{kind}_attention_scaling")
+    local, glob = ropes[kinds.index("sliding_attention")][0], ropes[kinds.index("full_attention")][0]
+    assert not torch.allclose(local, glob)  # (10k vs 1M bases: one rotation for both would be wrong)
+
+
+def _pre_rope_8bit() -> KVQuantConfig:
+    from kvq_ao import LayerKV, QuantSpec
+
+    return KVQuantConfig(default=LayerKV(QuantSpec(8, "channel", 16), QuantSpec(8, "token", 32)), sink_tokens=1,
+                         pre_rope_keys=True, name="int8-pre-rope")  # fmt: skip
+
+
+def test_gemma3_with_8bit_pre_rope_keys_stores_each_layers_keys_before_its_own_rope():
+    """Pre-RoPE keys on local and global layers: each layer's body holds its keys as they were
+    before that layer's RoPE (the k_norm output), and greedy tokens equal the fp cache's. (The
+    stored keys are what quantization sees; attention undoes whatever rotation the cache applied,
+    so only this comparison catches one rotation used for both layer types.)"""
+    model = tiny_gemma(3)
+    ids = _prompt(40)
+    fp = _generate(model, ids, max_new_tokens=16, cache=DynamicCache(config=model.config))
+    pre_rope = {}
+    def keep(n: int):
+        def hook(_module, _inputs, out):  # the prompt's pre-RoPE keys [B, H, T, D] (the first call: the prefill)
+            pre_rope.setdefault(n, out.detach())
+
+        return hook
+
+    hooks = [layer.self_attn.k_norm.register_forward_hook(keep(n)) for n, layer in enumerate(model.model.layers)]
+    quantize_kv_(model, _pre_rope_8bit())
+    out = _generate(model, ids, max_new_tokens=16, return_dict_in_generate=True)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(out.sequences, fp)
+    for n, layer in enumerate(out.cache.layers):  # the prompt's keys, past the full-precision sink token
+        stored, want = layer.keys_values()[0].body()[:, :, 1:32], pre_rope[n][:, :, 1:32]
+        assert (stored - want).abs().max() < 0.02 * want.abs().max(), n
+
+
+def test_gemma3_takes_calibrated_pre_rope_keys_through_kvq_calibrate(tmp_path):
+    """KVQuant's datatypes on Gemma-3: `kvq calibrate` fits pre-RoPE codebooks for a saved Gemma-3
+    (local and global layers unrotated with their own frequencies), and the preset generates."""
+    from transformers import AutoTokenizer
+
+    from kvq_ao.calibration import Calibration
+    from kvq_ao.cli import main
+    from kvq_ao.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+    folder, out = tmp_path / "gemma3", tmp_path / "calib.json"
+    tiny_gemma(3, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert main(["calibrate", "--model", str(folder), "--preset", "kvquant-3", "--out", str(out), "--samples", "2",
+                 "--seq-len", "64"]) == 0  # fmt: skip
+    calib = Calibration.load(out)
+    assert all(calib.layer(i)[0].codebook is not None and calib.layer(i)[0].lo is not None for i in range(4))  # keys: levels, ranges
+    import dataclasses
+
+    model = tiny_gemma(3, vocab_size=len(tokenizer))
+    quantize_kv_(model, dataclasses.replace(KVQuantConfig.preset("kvquant-3"), calibration=str(out)))
+    ids = torch.randint(3, 1000, (1, 24), generator=torch.Generator().manual_seed(2))
+    seq = _generate(model, ids, max_new_tokens=6)
+    assert seq.shape == (1, 30)
 
 
 def test_gemma_head_dim_256_with_outliers_is_refused_clearly():
