@@ -140,3 +140,29 @@ def test_a_calibration_fitted_for_rotated_vectors_fits_them_and_only_them(tmp_pa
     with torch.no_grad():
         out = model.generate(ids[:1, :20], max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 26)
+
+
+def test_a_rotated_cache_exports_to_executorch_and_onnx_and_matches_eager(tmp_path):
+    """The rotations are two matrix products in the decode step's graph: the exported programs
+    (ExecuTorch with the kvq kernel library, ONNX) generate what the eager step does."""
+    pytest.importorskip("executorch", reason="export needs executorch (installed by the test extra)")
+    pytest.importorskip("onnxruntime", reason="export needs onnxruntime (installed by the test extra)")
+    from kvq_ao.export import export_executorch, export_onnx
+    from kvq_ao.export.decoder import DecodeStep
+    from kvq_ao.export.executorch import ExecuTorchRunner
+    from kvq_ao.export.onnx import OnnxRunner
+
+    cfg, max_len = _config(4), 48  # no fp window: the exported cache's rotated codes are read
+    prompt = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    pte = export_executorch(tiny_llama(seed=5), cfg, tmp_path / "r.pte", max_seq_len=max_len)
+    onnx_path = export_onnx(tiny_llama(seed=5), cfg, tmp_path / "r.onnx", max_seq_len=max_len)
+    step = DecodeStep(tiny_llama(seed=5), cfg, max_len)
+    assert all(layer.k_rot.numel() and layer.v_rot.numel() for layer in step.cache.layers)
+    for runner in (ExecuTorchRunner(pte.path), OnnxRunner(onnx_path)):
+        new, logits = runner.generate(prompt, 12)
+        step = DecodeStep(tiny_llama(seed=5), cfg, max_len)
+        with torch.no_grad():
+            eager = [step(torch.tensor([[t]]), torch.tensor([i]))[0, -1] for i, t in enumerate(prompt + new[:-1])]
+        diff = max((a - b).abs().max().item() for a, b in zip(logits, eager))
+        assert diff / max(b.abs().max().item() for b in eager) < 1e-3, type(runner).__name__
+        assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
