@@ -470,6 +470,29 @@ def _kvquant(bits: int, outliers: float) -> KVQuantConfig:
     )
 
 
+def _rotated(key_bits: int, value_bits: int) -> KVQuantConfig:
+    """Keys and values rotated by the randomized Hadamard matrix (`QuantSpec.rotation`), post-RoPE,
+    each vector with its own range and calibrated nuq levels, one float16 sink token and a 112-token
+    float16 window: no outlier slots, no per-channel metadata."""
+    spec = lambda bits: QuantSpec(bits, "token", 64, "nuq", rotation="hadamard")  # noqa: E731
+    return KVQuantConfig(default=LayerKV(spec(key_bits), spec(value_bits)), sink_tokens=1, residual_length=112,
+                         side_dtype="float16", calibration="auto", name=f"rot-k{key_bits}v{value_bits}")  # fmt: skip
+
+
+def _kvquant_rotated_values(bits: int) -> KVQuantConfig:
+    """KVQuant's keys without outlier slots (pre-RoPE, calibrated ranges and levels) with values
+    rotated and coded against calibrated per-channel ranges (no per-vector metadata either), so a
+    112-token float16 window fits 2.5 bits per element at 4096 tokens."""
+    layout = KVQUANT_LAYOUT[bits]
+    key = QuantSpec(bits, "channel", 128, layout.key_levels, outlier_dtype="float16", ranges="calibrated")
+    value = QuantSpec(bits, "channel", 128, "nuq", ranges="calibrated", rotation="hadamard")
+    return KVQuantConfig(default=LayerKV(key, value), sink_tokens=1, residual_length=112, side_dtype="float16",
+                         pre_rope_keys=True, calibration="auto", name=f"kvquant-{bits}-rotv")  # fmt: skip
+
+
+# The rotated presets: per budget of bits per element at 4096 tokens (4.5, 3.5, 2.5), the layout with
+# the lowest KL to fp on development text among 19 candidates (experiments/rotation.py,
+# results/rotation/rotation_dev.json; docs/rotation.md).
 PRESETS: dict[str, KVQuantConfig] = {
     "fp": KVQuantConfig(name="fp"),
     # 8-bit with KIVI's axes: per-token int8 keys (g64) flipped a near-tie greedy token on SmolLM2
@@ -481,6 +504,9 @@ PRESETS: dict[str, KVQuantConfig] = {
     "kivi-2": _kivi(2),
     **{f"kvquant-{b}": _kvquant(b, 0.0) for b in (4, 3, 2)},
     **{f"kvquant-{b}-1pct": _kvquant(b, 0.01) for b in (4, 3, 2)},
+    "rot-k4v3": _rotated(4, 3),
+    "rot-k3v2": _rotated(3, 2),
+    "kvquant-2-rotv": _kvquant_rotated_values(2),
 }
 
 

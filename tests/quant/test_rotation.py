@@ -166,3 +166,26 @@ def test_a_rotated_cache_exports_to_executorch_and_onnx_and_matches_eager(tmp_pa
         diff = max((a - b).abs().max().item() for a, b in zip(logits, eager))
         assert diff / max(b.abs().max().item() for b in eager) < 1e-3, type(runner).__name__
         assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
+
+
+@pytest.mark.parametrize("name,budget", [("rot-k4v3", 4.5), ("rot-k3v2", 3.5), ("kvquant-2-rotv", 2.5)])
+def test_rotated_presets_fit_their_budget_and_generate_once_calibrated(name, budget, tmp_path):
+    """Each rotated preset stays within the bits per element it was chosen for (SmolLM2's shape,
+    4096 tokens, everything counted), stores what it says, and runs once calibrated."""
+    from kvq_ao.calibration import calibrate
+    from kvq_ao.memory import estimate
+
+    cfg = KVQuantConfig.preset(name)
+    assert estimate(cfg, 30, 3, 64, 4096).bits_per_element <= budget
+    assert cfg.default.value.rotated and cfg.default.key.rotated == (not cfg.pre_rope_keys)
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+    path = calibrate(model, ids, cfg, progress=False).save(tmp_path / f"{name}.json")
+    quantize_kv_(model, dataclasses.replace(cfg, calibration=str(path)))
+    with torch.no_grad():
+        out = model.generate(ids[:1, :40], attention_mask=torch.ones_like(ids[:1, :40]), max_new_tokens=130, do_sample=False,
+                             return_dict_in_generate=True)  # fmt: skip
+    layer = out.cache.layers[0]
+    assert int(layer.body_end) > 0  # tokens went past the 112-token window into rotated codes
+    k, v = layer.keys_values()
+    assert v.rotated and k.rotated == (not cfg.pre_rope_keys)
