@@ -210,7 +210,9 @@ def cmd_presets(args) -> int:
                 return "fp"
             extra = ("" if s.dtype == "int" else f" {s.dtype}") + (f" +{s.outliers:.0%} outliers" if s.outliers else "")
             extra += f" (<= {s.max_outliers} a vector)" if s.max_outliers else ""
-            return f"{s.bits}-bit {s.axis} g{s.group_size}{extra}"
+            extra += " rotated" if s.rotated else ""
+            grouping = "calibrated ranges" if s.calibrated_ranges else f"g{s.group_size}"
+            return f"{s.bits}-bit {s.axis} {grouping}{extra}"
 
         rope = " (pre-RoPE keys)" if cfg.pre_rope_keys else ""
         table.add_row(name + rope, fmt(k), fmt(v), str(cfg.sink_tokens), str(cfg.residual_length),
