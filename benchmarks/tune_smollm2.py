@@ -25,11 +25,11 @@ from kvq_ao.config import KVQuantConfig
 from kvq_ao.eval import evaluate
 from kvq_ao.tuning.pareto import pair_bits
 from kvq_ao.tuning.profile import assignment_config, base_config
-from kvq_ao.tuning.tuner import SHIPPED_PROFILES
+from kvq_ao.artifacts import SHIPPED
 
 from common import eval_windows, save_json, smollm2, stamp
 
-SHIPPED_PROFILE = SHIPPED_PROFILES / "SmolLM2-135M-Instruct.Q4_1-98362432-L30-H3-D64-r128-g32-2x512.json"
+SHIPPED_PROFILE = SHIPPED / "tune" / "SmolLM2-135M-Instruct.Q4_1-98362432-L30-H3-D64-r128-g32-2x512.json"
 
 
 def run_tune(budget: float, out: Path, profile: Path, threads: int) -> float:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvq_ao import artifacts
 from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.model_info import check_model, model_dims, rotary_of
@@ -425,7 +426,7 @@ def default_path(model, config: KVQuantConfig) -> Path:
 
 
 def _cached(model, config: KVQuantConfig, n_layers: int) -> bool:
-    path = default_path(model, config)
+    path = artifacts.seed(default_path(model, config))
     return path.exists() and Calibration.load(path).made_for(config, n_layers)
 
 
@@ -455,7 +456,7 @@ def for_model(model, config: KVQuantConfig, log=lambda msg: print(msg, file=sys.
     if config.calibration not in (None, "auto"):
         calib = Calibration.load(config.calibration)
     else:
-        path = default_path(model, config)
+        path = artifacts.seed(default_path(model, config))  # the shipped calibration, for the packaged model
         calib = Calibration.load(path) if path.exists() else None
         if calib is not None and not calib.made_for(config, dims[0]):
             # The user cache is ours: a preset whose layout changed between versions is remade, not refused.

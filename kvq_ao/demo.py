@@ -4,10 +4,12 @@ Stages, each timed as it runs:
 1. load the model (SmolLM2 is converted from its GGUF once, ~40 s, then cached);
 2. calibrate the KVQuant presets (per-layer non-uniform levels and outlier thresholds on pydoc
    calibration text; one activation pass shared by all of them; cached in the user cache);
-3. tune a KVTuner config under an average-bit budget (layer profile from the user cache, seeded
-   from the profile kvq_ao ships for SmolLM2, so only the search runs; the chosen config is
-   cached too);
-4. evaluate every config through the quantized cache on held-out text (PPL, KL, agreement, bits);
+3. tune a KVTuner config under an average-bit budget (layer profile, then a search; the chosen
+   config is cached too);
+   for SmolLM2 kvq_ao ships the calibrations, the profile and the 3-bit config it would compute
+   (`kvq_ao.artifacts`), so on the packaged model these two stages only check and load them;
+4. evaluate every config through the quantized cache on held-out text (PPL, KL, agreement, bits;
+   the fp reference of each window runs once for all configs);
 5. one greedy answer per config to a question whose context lies past KIVI's fp window.
 A second run reuses every cached artifact and only evaluates and answers.
 """
@@ -19,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_CONFIGS = ("fp", "int8", "kivi-4", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct")
+DEFAULT_CONFIGS = ("fp", "int8", "kivi-4", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct", "rot-k4v3",
+                   "rot-k3v2", "kvquant-2-rotv")
 DEFAULT_BUDGET = 3.0  # KVTuner's average (key + value) bits per layer
 
 
@@ -46,15 +49,21 @@ class Stages:
         return out
 
 
+def tuned_config_name(model, budget: float) -> str:
+    from kvq_ao.calibration import model_key
+
+    return f"{model_key(model)}-tuned-{budget:g}bit.json"
+
+
 def tuned_config(model, tokenizer, budget: float, log=_log):
     """KVTuner's config for `model` under `budget` average bits (cached in the user cache)."""
-    from kvq_ao.calibration import model_key
+    from kvq_ao.artifacts import seed
     from kvq_ao.config import KVQuantConfig
     from kvq_ao.models import cache_dir, pydoc_text, text_windows
     from kvq_ao.tuning.profile import base_config
     from kvq_ao.tuning.tuner import default_profile_path, tune
 
-    path = cache_dir() / "tune" / f"{model_key(model)}-tuned-{budget:g}bit.json"
+    path = seed(cache_dir() / "tune" / tuned_config_name(model, budget))
     if path.exists():
         log(f"kvq_ao: using the tuned config {path}")
         return KVQuantConfig.load(path)
@@ -91,7 +100,7 @@ def run(model_name: str = "smollm2", configs: tuple[str, ...] = DEFAULT_CONFIGS,
     from kvq_ao.api import quantize_kv_
     from kvq_ao.calibration import calibrate_missing
     from kvq_ao.config import KVQuantConfig
-    from kvq_ao.eval import evaluate, greedy, print_results
+    from kvq_ao.eval import evaluate_many, greedy, print_results
     from kvq_ao.models import load_model, pydoc_text, text_windows
 
     stages = Stages(total=5)
@@ -105,7 +114,7 @@ def run(model_name: str = "smollm2", configs: tuple[str, ...] = DEFAULT_CONFIGS,
         named.append(tuned)
     ids = text_windows(tokenizer, text or pydoc_text("eval"), windows, window_len)
     _log(f"evaluating {len(named)} configs on {ids.numel()} tokens of {'your' if text else 'held-out pydoc_data'} text")
-    results = stages.run("evaluate", lambda: [evaluate(model, ids, c, chunk=chunk) for c in named])
+    results = stages.run("evaluate", evaluate_many, model, ids, named, chunk)
     print_results(results)
     prompt = prompt or answer_prompt()
 
@@ -128,4 +137,4 @@ def run(model_name: str = "smollm2", configs: tuple[str, ...] = DEFAULT_CONFIGS,
     return results
 
 
-__all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIGS", "Stages", "answer_prompt", "pair_summary", "run", "tuned_config"]
+__all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIGS", "Stages", "answer_prompt", "pair_summary", "run", "tuned_config", "tuned_config_name"]

@@ -69,61 +69,89 @@ def ratio_interval(window_deltas: list[float], level: float = 0.95) -> list[floa
     return [math.exp(mean - half), math.exp(mean + half)]
 
 
+@dataclass
+class _Tally:
+    """One config's running sums over windows."""
+
+    nll: float = 0.0
+    nll_fp: float = 0.0
+    kl: float = 0.0
+    agree: float = 0.0
+    counted: int = 0
+    clamped_k: int = 0
+    clamped_v: int = 0
+    report: object = None
+    deltas: list = None  # per window: mean NLL (quantized) - mean NLL (fp)
+
+
 @torch.no_grad()
 def evaluate(model, windows: torch.Tensor, config: KVQuantConfig, chunk: int = 64, progress: bool = True) -> EvalResult:
     """Evaluate `config` on token windows [n, W] (see `kvq_ao.models.text_windows`)."""
+    return evaluate_many(model, windows, [config], chunk, progress)[0]
+
+
+@torch.no_grad()
+def evaluate_many(model, windows: torch.Tensor, configs: list[KVQuantConfig], chunk: int = 64,
+                  progress: bool = True) -> list[EvalResult]:  # fmt: skip
+    """`evaluate` for several configs on the same windows, one result each: the fp reference of a
+    window (a full forward pass) runs once for all configs instead of once per config."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
-    quantize_kv_(model, config)
     n, w = windows.shape
-    nll = nll_fp = kl = agree = 0.0
-    counted = clamped_k = clamped_v = 0
-    deltas = []  # per window: mean NLL (quantized) - mean NLL (fp)
-    report = None
-    bar = tqdm(total=n * math.ceil(w / chunk), desc=f"eval {config.name}", disable=not progress, leave=False)
+    tallies = [_Tally(deltas=[]) for _ in configs]
+    bar = tqdm(total=n * math.ceil(w / chunk) * len(configs), desc="eval", disable=not progress, leave=False)
     for row in windows:
         ids = row.unsqueeze(0)
-        fp_logits = model(ids).logits[0, :-1].float()
-        cache = make_cache(model, config)
-        parts = []
-        for start in range(0, w, chunk):
-            parts.append(model(ids[:, start : start + chunk], cache=cache).logits[0].float())
-            bar.update()
-        q_logits = torch.cat(parts)[:-1]
         target = row[1:]
-        logp_q, logp_fp = F.log_softmax(q_logits, -1), F.log_softmax(fp_logits, -1)
-        window_nll = F.nll_loss(logp_q, target, reduction="sum").item()
-        window_nll_fp = F.nll_loss(logp_fp, target, reduction="sum").item()
-        deltas.append((window_nll - window_nll_fp) / target.numel())
-        nll += window_nll
-        nll_fp += window_nll_fp
-        kl += F.kl_div(logp_q, logp_fp, log_target=True, reduction="sum").item()
-        agree += (q_logits.argmax(-1) == fp_logits.argmax(-1)).sum().item()
-        counted += target.numel()
-        report = cache.memory_report()
-        window_k, window_v = cache.clamped_by_kind
-        clamped_k, clamped_v = clamped_k + window_k, clamped_v + window_v
+        logp_fp = fp_logits = None
+        for config, tally in zip(configs, tallies):
+            quantize_kv_(model, config)
+            if fp_logits is None:  # no cache: the model's own attention over the whole window
+                fp_logits = model(ids).logits[0, :-1].float()
+                logp_fp = F.log_softmax(fp_logits, -1)
+                window_nll_fp = F.nll_loss(logp_fp, target, reduction="sum").item()
+            bar.set_description(f"eval {config.name}")
+            cache = make_cache(model, config)
+            parts = []
+            for start in range(0, w, chunk):
+                parts.append(model(ids[:, start : start + chunk], cache=cache).logits[0].float())
+                bar.update()
+            q_logits = torch.cat(parts)[:-1]
+            logp_q = F.log_softmax(q_logits, -1)
+            window_nll = F.nll_loss(logp_q, target, reduction="sum").item()
+            tally.deltas.append((window_nll - window_nll_fp) / target.numel())
+            tally.nll += window_nll
+            tally.nll_fp += window_nll_fp
+            tally.kl += F.kl_div(logp_q, logp_fp, log_target=True, reduction="sum").item()
+            tally.agree += (q_logits.argmax(-1) == fp_logits.argmax(-1)).sum().item()
+            tally.counted += target.numel()
+            tally.report = cache.memory_report()
+            window_k, window_v = cache.clamped_by_kind
+            tally.clamped_k += window_k
+            tally.clamped_v += window_v
     bar.close()
     layers, heads, head_dim = model_dims(model)
     entries = n * w * layers * heads * head_dim  # per kind
-    steady = estimate(config, layers, heads, head_dim, 4096)
-    return EvalResult(
-        config=config.name,
-        ppl=math.exp(nll / counted),
-        ppl_fp=math.exp(nll_fp / counted),
-        ppl_ratio=math.exp((nll - nll_fp) / counted),
-        kl=kl / counted,
-        token_agreement=agree / counted,
-        tokens=counted,
-        avg_bits=report.bits_per_element,
-        kv_bytes_per_token=report.bytes_per_token,
-        avg_bits_at_4096=steady.bits_per_element,
-        window=w,
-        chunk=chunk,
-        ppl_ratio_ci95=ratio_interval(deltas),
-        clamped_key_outliers=clamped_k / entries,
-        clamped_value_outliers=clamped_v / entries,
-    )
+    return [
+        EvalResult(
+            config=config.name,
+            ppl=math.exp(t.nll / t.counted),
+            ppl_fp=math.exp(t.nll_fp / t.counted),
+            ppl_ratio=math.exp((t.nll - t.nll_fp) / t.counted),
+            kl=t.kl / t.counted,
+            token_agreement=t.agree / t.counted,
+            tokens=t.counted,
+            avg_bits=t.report.bits_per_element,
+            kv_bytes_per_token=t.report.bytes_per_token,
+            avg_bits_at_4096=estimate(config, layers, heads, head_dim, 4096).bits_per_element,
+            window=w,
+            chunk=chunk,
+            ppl_ratio_ci95=ratio_interval(t.deltas),
+            clamped_key_outliers=t.clamped_k / entries,
+            clamped_value_outliers=t.clamped_v / entries,
+        )
+        for config, t in zip(configs, tallies)
+    ]
 
 
 @torch.no_grad()
@@ -197,4 +225,4 @@ def print_results(results: list[EvalResult]) -> None:
     Console(width=max(Console().width, 140)).print(table)
 
 
-__all__ = ["EvalResult", "chat_ids", "evaluate", "generation_agreement", "greedy", "print_results", "ratio_interval", "CHAT_PROMPTS"]
+__all__ = ["EvalResult", "chat_ids", "evaluate", "evaluate_many", "generation_agreement", "greedy", "print_results", "ratio_interval", "CHAT_PROMPTS"]

@@ -76,3 +76,20 @@ def test_results_hold_one_folder_per_benchmark_and_no_orphans():
             if str(rel) not in text and companion not in text:
                 orphans.append(str(rel))
     assert not orphans, orphans
+
+
+def test_readmes_quality_table_is_the_recorded_demo_run():
+    """Every row of the README's preset table states what `kvq demo --json-out results/demo/demo.json`
+    measured (ΔPPL, KL, agreement, bits), and the table lists every config that run evaluated."""
+    import json
+
+    recorded = {r["config"]: r for r in json.loads((ROOT / "results" / "demo" / "demo.json").read_text())["results"]}
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 6 and cells[2].endswith("%"):
+            rows[cells[0].strip("`")] = cells[2:]
+    assert sorted(rows) == sorted(recorded)
+    for name, r in recorded.items():
+        want = [f"{100 * (r['ppl_ratio'] - 1):+.2f}%", f"{round(r['kl'], 4) + 0.0:.4f}", f"{r['token_agreement']:.3f}", f"{r['avg_bits_at_4096']:.2f}"]
+        assert rows[name] == want, f"README row {name!r}: {rows[name]} but the demo run recorded {want}"

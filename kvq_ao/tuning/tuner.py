@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvq_ao import artifacts
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.tuning.cluster import cluster_layers, group_candidates
 from kvq_ao.tuning.pareto import KVTUNER_WIDTHS, Pair, candidate_pairs, pair_bits, prune
@@ -26,14 +27,10 @@ from kvq_ao.tuning.calibrated import WidthCalibrations
 from kvq_ao.tuning.profile import LayerProfile, assignment_config, base_config, kl_to, layer_spec, profile, run_with
 from kvq_ao.tuning.search import SearchResult, predicted_front, search
 
-# Layer profiles kvq_ao ships (package data), named as `default_profile_path` names them in the
-# user cache; profiling SmolLM2 takes ~8 minutes on 2 cores, the search from a profile ~1.5.
-SHIPPED_PROFILES = Path(__file__).parent / "profiles"
-
-
 def default_profile_path(model, base: KVQuantConfig, ids: torch.Tensor) -> Path:
     """Where `tune` keeps `model`'s layer profile for this base config and calibration size, in the
-    user cache; seeded from a shipped profile of the same name when kvq_ao has one."""
+    user cache; seeded from a shipped profile of the same name when kvq_ao has one (profiling
+    SmolLM2 takes ~8 minutes on 2 cores, the search from a profile ~1.5; `kvq_ao.artifacts`)."""
     from kvq_ao.calibration import model_key
     from kvq_ao.models import cache_dir
 
@@ -43,11 +40,7 @@ def default_profile_path(model, base: KVQuantConfig, ids: torch.Tensor) -> Path:
     if base.needs_calibration:  # the whole layout (outliers, ranges, sink...) decides what gets profiled
         variant += "-" + hashlib.sha256(base.to_json_key().encode()).hexdigest()[:8]
     name = f"{model_key(model)}-r{base.residual_length}-g{key.group_size}{variant}-{ids.shape[0]}x{ids.shape[1]}.json"
-    path = cache_dir() / "tune" / name
-    if not path.exists() and (SHIPPED_PROFILES / name).exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes((SHIPPED_PROFILES / name).read_bytes())
-    return path
+    return artifacts.seed(cache_dir() / "tune" / name)
 
 
 @dataclass
@@ -176,4 +169,4 @@ def summary_rows(result: TuneResult) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-__all__ = ["SHIPPED_PROFILES", "TuneResult", "default_profile_path", "summary_rows", "tune", "write_front"]
+__all__ = ["TuneResult", "default_profile_path", "summary_rows", "tune", "write_front"]
