@@ -6,7 +6,9 @@ and values; the layer's real calibration for kvquant presets), so it holds exact
 generating model would hold at that length. Variants:
 
 * `sdpa-fp32`: `scaled_dot_product_attention` over the float cache (GQA), what an fp cache costs;
-* `native`: `torch.ops.kvq.decode_attention` with the native CPU kernel (what eager generation runs);
+* `native`: `torch.ops.kvq.decode_attention` with the native CPU kernel (the op alone);
+* `attention`: `kvq_ao.tensor.attention`, what eager generation calls: the op's dispatch, plus for
+  rotated formats the query rotated by the keys' R and the output rotated back by the values' R^T;
 * `compiled`: the same op under `torch.compile` (the graph calls the native kernel);
 * `reference`: the reference kernel (kernels/reference.py) run eagerly, what CPU ran before the
   native kernel and what any device without one runs.
@@ -93,14 +95,20 @@ def filled_layer(model, preset: str, n: int):
     return layer
 
 
-def op_args(layer, q: torch.Tensor) -> dict:
-    """The decode attention op's named arguments for q over the filled layer."""
-    from kvq_ao.tensor import attention_arguments
-
+def attention_inputs(layer, q: torch.Tensor) -> tuple:
+    """(q, keys, values, mask, scaling): `kvq_ao.tensor.attention`'s arguments over the filled layer."""
     keys, values = layer.keys_values()
     mask = torch.ones(1, 1, 1, keys.shape[2], dtype=torch.bool)
     mask[..., int(layer.cumulative_length) :] = False
-    return attention_arguments(q, keys, values, mask, D**-0.5)
+    return q, keys, values, mask, D**-0.5
+
+
+def op_args(layer, q: torch.Tensor) -> dict:
+    """The decode attention op's named arguments for q over the filled layer (unrotated q: the op
+    alone; `attention` rotates it for rotated formats)."""
+    from kvq_ao.tensor import attention_arguments
+
+    return attention_arguments(*attention_inputs(layer, q))
 
 
 def bytes_read(op: dict) -> int:
@@ -154,7 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--presets", default="kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct")
-    parser.add_argument("--variants", default="sdpa-fp32,native,compiled,reference")
+    parser.add_argument("--variants", default="sdpa-fp32,native,attention,compiled,reference")
     parser.add_argument("--profile", action="store_true", help="add the native kernel without each feature a format uses")
     parser.add_argument("--reference-max", type=int, default=131072, help="longest context the slow reference kernel is timed at")
     parser.add_argument("--repeats", type=int, default=30)
@@ -169,6 +177,7 @@ def main() -> None:
     q = torch.randn(1, HQ, 1, D, generator=torch.Generator().manual_seed(1))
     from kvq_ao.kernels import cpu, reference
     from kvq_ao.ops import named_arguments, reference_arguments
+    from kvq_ao.tensor import attention
 
     if not cpu.load():
         raise SystemExit("the native CPU kernels did not build (see the warning): nothing to measure")
@@ -191,11 +200,13 @@ def main() -> None:
         references = []
         for preset in args.presets.split(","):
             layer = filled_layer(model, preset, n)
-            op = op_args(layer, q)
+            op, inputs = op_args(layer, q), attention_inputs(layer, q)
             held = bytes_read(op)
             layer = None
             if "native" in variants:
                 timed[(preset, "native")] = (lambda op=op: torch.ops.kvq.decode_attention(**op), held)
+            if "attention" in variants:
+                timed[(preset, "attention")] = (lambda inputs=inputs: attention(*inputs), held)
             if args.profile:
                 for name, strip in ABLATIONS.items():
                     stripped = strip(op)
