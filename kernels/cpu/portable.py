@@ -1,0 +1,151 @@
+"""The decode kernel's C++ built for other CPUs than this one, and run on conformance cases.
+
+The PyTorch extension (`kvq_ao.kernels.cpu`) and the ExecuTorch kernel library are built on the
+user's machine with `-march=native`, so on a developer's x86 box only its AVX path is ever run.
+This module builds the same arithmetic (attention_core.h) into a standalone runner
+(conformance_main.cpp, no ATen, no ExecuTorch) for
+
+* `generic`: this machine's compiler with no `-march` (x86-64's baseline: none of the AVX paths,
+  the GCC vector extensions lowered to SSE2), run natively: the fallback any other CPU gets;
+* `aarch64`: Debian's cross compiler (`aarch64-linux-gnu-g++`, ARMv8.2-A with the dot-product
+  extension, NEON), statically linked and run under `qemu-aarch64` (correctness, not speed);
+
+and writes the conformance cases for it (`write_case`) and reads back its outputs
+(`read_output`). tests/kernels/test_portable_builds.py runs the conformance suite's decode cases
+through both. `compile_only` cross-compiles the PyTorch extension and ExecuTorch library
+sources to objects (their aarch64 runtimes are not on an x86 machine, so nothing is linked).
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvq_ao.kernels.cpu import GENERATED_HEADER, generated_header
+
+HERE = Path(__file__).parent
+RUNNER_SOURCE = "conformance_main.cpp"
+CASE_VERSION = 1
+_DTYPE_CODES = {torch.uint8: 0, torch.int64: 4, torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11,
+                torch.bfloat16: 15}  # fmt: skip  (c10's ScalarType numbering, which ExecuTorch shares)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    compiler: str
+    flags: tuple[str, ...]
+    emulator: tuple[str, ...] = ()  # how to run its binaries here (empty: natively)
+    package_hint: str = ""
+
+    def unavailable(self) -> str | None:
+        """Why this target cannot be built and run here, or None."""
+        missing = [tool for tool in (self.compiler, *self.emulator[:1]) if shutil.which(tool) is None]
+        if missing:
+            return f"{' and '.join(missing)} not on PATH{f' (Debian: apt-get install {self.package_hint})' if self.package_hint else ''}"
+        return None
+
+
+COMMON_FLAGS = ("-O2", "-std=c++17", "-fno-math-errno")
+TARGETS = {
+    "generic": Target("generic", "g++", (*COMMON_FLAGS, "-march=x86-64", "-mtune=generic")),
+    "aarch64": Target("aarch64", "aarch64-linux-gnu-g++", (*COMMON_FLAGS, "-march=armv8.2-a+dotprod", "-static"),
+                      ("qemu-aarch64",), "g++-aarch64-linux-gnu qemu-user"),
+}
+
+
+def build_runner(target: Target, directory: Path, header_dir: Path = HERE) -> Path:
+    """Compile the conformance runner for `target` into `directory` (the headers from `header_dir`,
+    so a test can build a deliberately broken copy); returns the binary."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / GENERATED_HEADER).write_text(generated_header())
+    binary = directory / f"kvq_conformance-{target.name}"
+    source = Path(header_dir) / RUNNER_SOURCE  # beside its headers: `#include "..."` looks there first
+    if not source.exists():
+        shutil.copyfile(HERE / RUNNER_SOURCE, source)
+    command = [target.compiler, *target.flags, f"-I{directory}", str(source), "-o", str(binary)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{target.name}: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return binary
+
+
+def run(target: Target, binary: Path, pairs: list[tuple[Path, Path]]) -> None:
+    """Run the runner on (case, output) file pairs, under the target's emulator if it has one."""
+    command = [*target.emulator, str(binary), *(str(p) for pair in pairs for p in pair)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{target.name}: the runner failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+
+
+def _tensor(t: torch.Tensor | None) -> bytes:
+    if t is None:
+        return struct.pack("<i", 0)
+    if t.dtype not in _DTYPE_CODES:
+        raise ValueError(f"the case format has no dtype {t.dtype}")
+    t = t.contiguous()
+    head = struct.pack(f"<iii{t.dim()}q", 1, _DTYPE_CODES[t.dtype], t.dim(), *t.shape)
+    if t.numel() == 0:
+        return head
+    raw = t.to(torch.uint8) if t.dtype == torch.bool else t.reshape(-1).view(torch.uint8)
+    return head + raw.numpy().tobytes()
+
+
+def write_case(args: dict, path: Path, tasks: int = 3) -> None:
+    """The decode op's named arguments (`kvq_ao.ops.attention_arguments` form) as a case file; q is
+    passed as float32, as the PyTorch and ExecuTorch layers pass it to the kernel."""
+    out = [b"KVQC", struct.pack("<i", CASE_VERSION), _tensor(args["q"].float())]
+    for side in ("k", "v"):
+        out += [struct.pack("<i", len(args[side])), *(_tensor(t) for t in args[side])]
+        ints = args[f"{side}_format"]
+        out.append(struct.pack(f"<i{len(ints)}q", len(ints), *ints))
+    out += [_tensor(args["side_pos"]), _tensor(args["body_end"]), _tensor(args["mask"]), _tensor(args["rope_inv_freq"])]
+    out.append(struct.pack("<qdddi", args["body_start"], args["scaling"], args["rope_scale"], args["softcap"], tasks))
+    path.write_bytes(b"".join(out))
+
+
+def read_output(path: Path, shape) -> torch.Tensor:
+    """The runner's float32 output, in the op's output shape."""
+    data = path.read_bytes()
+    (count,) = struct.unpack_from("<q", data)
+    out = torch.frombuffer(bytearray(data[8:]), dtype=torch.float32)
+    if out.numel() != count:
+        raise ValueError(f"{path}: {out.numel()} floats, the header says {count}")
+    return out.reshape(shape)
+
+
+def compile_only(target: Target, directory: Path) -> list[Path]:
+    """Compile the PyTorch extension's and the ExecuTorch library's sources for `target` to object
+    files (no link: their runtimes for that CPU are not here). Returns the objects."""
+    from torch.utils import cpp_extension
+
+    from kvq_ao.kernels.cpu import SOURCES, executorch_library
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / GENERATED_HEADER).write_text(generated_header())
+    flags = [f for f in target.flags if f != "-static"]
+    python_include = Path(sys.base_prefix) / "include" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    torch_includes = [f"-I{p}" for p in (*cpp_extension.include_paths(), str(python_include))]
+    et_root = executorch_library._executorch_root() / "include"
+    jobs = [(name, [*torch_includes, "-DTORCH_EXTENSION_NAME=kvq_cpu", "-D_GLIBCXX_USE_CXX11_ABI=1", "-fopenmp"])
+            for name in SOURCES]  # fmt: skip
+    jobs.append((executorch_library.SOURCE, [f"-I{et_root}", f"-I{et_root / 'executorch/runtime/core/portable_type/c10'}",
+                                             "-DC10_USING_CUSTOM_GENERATED_MACROS", "-fopenmp"]))  # fmt: skip
+    objects = []
+    for name, extra in jobs:
+        obj = directory / f"{Path(name).stem}-{target.name}.o"
+        command = [target.compiler, *flags, "-fPIC", "-c", *extra, f"-I{HERE}", f"-I{directory}", str(HERE / name), "-o", str(obj)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{target.name}: compiling {name} failed:\n{done.stderr[-3000:]}")
+        objects.append(obj)
+    return objects
+
+
+__all__ = ["TARGETS", "Target", "build_runner", "compile_only", "read_output", "run", "write_case"]

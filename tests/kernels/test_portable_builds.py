@@ -1,0 +1,124 @@
+"""The decode kernel's C++ built for CPUs other than this one (`kvq_ao.kernels.cpu.portable`), run on
+the conformance suite's decode cases and compared with the float64 oracle, as the PyTorch and
+ExecuTorch builds are in test_conformance.py:
+
+* `generic`: built for baseline x86-64 (no AVX), run natively: the fallback every other CPU gets;
+* `aarch64`: cross-compiled (ARMv8.2-A + dot product, NEON) and run under qemu-user.
+
+A machine without Debian's cross compiler and qemu-user skips the aarch64 build with that reason;
+CI installs them (.ci/run sets KVQ_AO_REQUIRE_PORTABLE=1, and then a missing tool fails here).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN
+from kvq_ao.kernels.cpu import portable
+
+from attention_cases import DECODE_CASES, TOLERANCE, decode_case, native_case, op_args, reference_attention
+
+
+def _random_cases(n: int) -> dict:
+    """Formats, shapes, masks and dtypes drawn from a fixed seed (the hypothesis test's space)."""
+    rng = random.Random(47)
+    fmt = lambda: (rng.choice([0, 2, 3, 4, 8]), rng.choice([AXIS_CHANNEL, AXIS_TOKEN]), 16, rng.random() < 0.4,  # noqa: E731
+                   rng.choice([0, 0, 1, 2]))  # fmt: skip
+    cases = {}
+    for i in range(n):
+        k_fmt, v_fmt = fmt(), fmt()
+        k_fmt = k_fmt if k_fmt[0] in (2, 3, 4) else (*k_fmt[:3], False, k_fmt[4])  # codebooks at 2-4 bits
+        v_fmt = v_fmt if v_fmt[0] in (2, 3, 4) else (*v_fmt[:3], False, v_fmt[4])
+        blocks = rng.randint(1, 9)
+        cases[f"random-{i}"] = native_case(
+            1000 + i, k_fmt=k_fmt, v_fmt=v_fmt, hkv=rng.choice([1, 2]), ratio=rng.choice([1, 3, 8]),
+            d=rng.choice([64, 128, 256]), blocks=blocks, body_end=max(1, 16 * blocks - rng.randint(0, 9)),
+            side=rng.choice(["empty", "some", "full"]), left_pad=rng.choice([0, 5]), window=rng.choice([0, 7, 40]),
+            head_mask=rng.random() < 0.5, pre_rope=rng.random() < 0.5, softcap=rng.choice([0.0, 2.5]),
+            dtype=rng.choice([torch.float32, torch.float16, torch.bfloat16]))  # fmt: skip
+    return cases
+
+
+CASES = {**{case_id: decode_case(case_id) for case_id in DECODE_CASES}, **_random_cases(24)}
+
+
+def _target(name: str) -> portable.Target:
+    target = portable.TARGETS[name]
+    why = target.unavailable()
+    if why and os.environ.get("KVQ_AO_REQUIRE_PORTABLE") == "1":
+        pytest.fail(f"{name}: {why}, and KVQ_AO_REQUIRE_PORTABLE=1 says this machine must build it")
+    if why:
+        pytest.skip(f"{name}: {why}")
+    return target
+
+
+def _mismatches(target: portable.Target, binary, directory) -> dict:
+    """Case id -> largest error beyond tolerance, for every case whose output is off."""
+    pairs = []
+    for case_id, named in CASES.items():
+        portable.write_case(op_args(named), directory / f"{case_id}.case")
+        pairs.append((directory / f"{case_id}.case", directory / f"{case_id}.{target.name}.out"))
+    portable.run(target, binary, pairs)
+    bad = {}
+    for case_id, named in CASES.items():
+        want = reference_attention(named)
+        got = portable.read_output(directory / f"{case_id}.{target.name}.out", want.shape).to(named["q"].dtype).double()
+        tol = TOLERANCE[named["q"].dtype]
+        if not torch.allclose(got, want, rtol=tol, atol=tol):
+            bad[case_id] = float((got - want).abs().max())
+    return bad
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            target = _target(name)
+            directory = tmp_path_factory.mktemp(name)
+            cache[name] = (target, portable.build_runner(target, directory), directory)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["generic", "aarch64"])
+def test_every_decode_case_matches_the_oracle(built, name):
+    target, binary, directory = built(name)
+    assert _mismatches(target, binary, directory) == {}
+
+
+def test_the_aarch64_runner_is_an_aarch64_program(built):
+    """So the passing aarch64 cases ran Arm code under qemu, not this machine's."""
+    _, binary, _ = built("aarch64")
+    header = binary.read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # e_machine EM_AARCH64
+
+
+@pytest.mark.parametrize("name", ["generic", "aarch64"])
+def test_a_planted_error_in_the_vector_code_fails_the_cases(built, name, tmp_path):
+    """A copy of attention_core.h whose 8-lane horizontal sum drops two lanes (the helper every
+    vector path of both builds reduces with) must fail cases: the suite can see a broken build."""
+    target, _, _ = built(name)
+    source = (portable.HERE / "attention_core.h").read_text()
+    right = "((v[4] + v[5]) + (v[6] + v[7]))"
+    assert source.count(right) == 1
+    (tmp_path / "attention_core.h").write_text(source.replace(right, "(v[4] + v[5])"))
+    binary = portable.build_runner(target, tmp_path, header_dir=tmp_path)
+    bad = _mismatches(target, binary, tmp_path)
+    assert len(bad) >= len(CASES) // 2, bad
+
+
+def test_the_extension_and_executorch_sources_compile_for_aarch64(tmp_path):
+    """The PyTorch extension's and the ExecuTorch kernel library's sources, cross-compiled to
+    objects (linking needs aarch64 builds of torch and executorch, which are not here)."""
+    objects = portable.compile_only(_target("aarch64"), tmp_path)
+    assert [o.name for o in objects] == ["decode_attention-aarch64.o", "quantize_fixed-aarch64.o", "executorch_ops-aarch64.o"]
+    for obj in objects:
+        header = obj.read_bytes()[:20]
+        assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183
