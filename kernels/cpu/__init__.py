@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 SOURCES = ("decode_attention.cpp", "quantize_fixed.cpp")
-HEADERS = ("attention_core.h",)  # the arithmetic, shared with the ExecuTorch kernel library
+HEADERS = ("attention_core.h", "quantize_core.h")  # the arithmetic, free of ATen (shared with ExecuTorch and the portable runner)
 GENERATED_HEADER = "kvq_format.h"  # operand field indices and format constants, from kvq_ao/format.py
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 _state: dict = {"loaded": False, "failed": None}

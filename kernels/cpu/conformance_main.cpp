@@ -1,5 +1,6 @@
-// A standalone runner of the decode attention arithmetic (attention_core.h) for the conformance
-// cases, with neither ATen nor ExecuTorch: what lets the kernel's C++ be built for another CPU
+// A standalone runner of the CPU kernels' arithmetic (attention_core.h: decode attention;
+// quantize_core.h: the one-token key append of calibrated ranges) for the conformance cases, with
+// neither ATen nor ExecuTorch: what lets the kernel's C++ be built for another CPU
 // (cross-compiled for aarch64 and run under qemu-user) or with another instruction set (the
 // generic vectors, no AVX) and checked against the reference on the same cases as the PyTorch
 // and ExecuTorch builds (tests/kernels/test_portable_builds.py writes the cases and reads back
@@ -15,7 +16,11 @@
 //   case     := "KVQC" int32 version(1), tensor q, tensors k, ints k_format, tensors v,
 //               ints v_format, tensor side_pos, tensor body_end, tensor mask, tensor rope_inv_freq,
 //               int64 body_start, float64 scaling, float64 rope_scale, float64 softcap, int32 tasks
-// OUT receives int64 count then count float32 outputs [B, Hq, 1, Dv]. Tasks run one after another
+// OUT receives int64 count then count float32 outputs [B, Hq, 1, Dv].
+//   quantize case := "KVQF" int32 version(1), tensor x (float32 [B, H, T, D]), int64 bits,
+//               tensor zero, tensor scale, tensor mids (codebook midpoints, float32; empty: uniform),
+//               tensor lo, tensor hi (float32 [H, D]), int64 n_outliers
+// OUT receives int64 clamped, then the codes, out_val (float32) and out_idx bytes as int64 size + data. Tasks run one after another
 // in `tasks` calls of the kernel's parallel_for, so the split-softmax merge runs as it does with
 // threads. Exit status 0; a bad file or a kernel error prints the message and exits 1.
 
@@ -26,6 +31,7 @@
 #include <vector>
 
 #include "attention_core.h"
+#include "quantize_core.h"
 
 namespace {
 
@@ -82,12 +88,52 @@ struct Reader {
   }
 };
 
+void write_blob(std::ofstream& o, const void* data, int64_t bytes) {
+  o.write(reinterpret_cast<const char*>(&bytes), sizeof(bytes));
+  o.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+}
+
+const float* floats(const HostTensor& t, const char* name, int64_t n) {
+  if (kvq_core::dtype_of_code(t.code) != kvq_core::DType::Float || t.bytes.size() != static_cast<size_t>(n) * 4)
+    throw std::runtime_error(std::string(name) + " must hold " + std::to_string(n) + " float32 values");
+  return reinterpret_cast<const float*>(t.bytes.data());
+}
+
+void run_quantize_case(Reader& r, const std::string& out_path) {
+  const HostTensor x = r.required();
+  const int64_t bits = r.get<int64_t>();
+  const HostTensor zero = r.required(), scale = r.required(), mids = r.required(), lo = r.required(), hi = r.required();
+  const int64_t slots = r.get<int64_t>();
+  if (x.dim() != 4 || x.size(3) > kvq_core::kMaxDim || !kvq_format::is_packed_bits(bits))
+    throw std::runtime_error(r.path + ": x must be [B, H, T, D <= 256] with packed bits");
+  const int64_t heads = x.size(1), tokens = x.size(2), dim = x.size(3), rows = x.size(0) * heads * tokens;
+  const float* xs = floats(x, "x", rows * dim);
+  std::vector<uint8_t> codes(static_cast<size_t>(rows * kvq_core::packed_bytes(dim, bits)));
+  std::vector<float> out_val(static_cast<size_t>(rows * slots));
+  std::vector<uint8_t> out_idx(static_cast<size_t>(rows * slots));
+  const int64_t n_mids = mids.dim() ? mids.size(0) : 0;
+  const int64_t clamped = kvq_core::quantize_rows<float>(
+      xs, rows, tokens, heads, static_cast<int>(dim), static_cast<int>(bits), floats(lo, "lo", heads * dim),
+      floats(hi, "hi", heads * dim), floats(zero, "zero", heads * dim), floats(scale, "scale", heads * dim),
+      n_mids ? floats(mids, "mids", n_mids) : nullptr, static_cast<int>(n_mids), static_cast<int>(slots), codes.data(),
+      out_val.data(), out_idx.data(), [](int64_t n, const auto& fn) {
+        for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
+      });
+  std::ofstream o(out_path, std::ios::binary);
+  o.write(reinterpret_cast<const char*>(&clamped), sizeof(clamped));
+  write_blob(o, codes.data(), static_cast<int64_t>(codes.size()));
+  write_blob(o, out_val.data(), static_cast<int64_t>(out_val.size() * sizeof(float)));
+  write_blob(o, out_idx.data(), static_cast<int64_t>(out_idx.size()));
+  if (!o) throw std::runtime_error(out_path + ": cannot write");
+}
+
 void run_case(const std::string& case_path, const std::string& out_path) {
   Reader r{std::ifstream(case_path, std::ios::binary), case_path};
   if (!r.in) throw std::runtime_error(case_path + ": cannot open");
   char magic[4];
-  if (!r.in.read(magic, 4) || std::string(magic, 4) != "KVQC" || r.get<int32_t>() != 1)
-    throw std::runtime_error(case_path + ": not a version-1 kvq conformance case");
+  if (!r.in.read(magic, 4) || r.get<int32_t>() != 1) throw std::runtime_error(case_path + ": not a version-1 kvq case");
+  if (std::string(magic, 4) == "KVQF") return run_quantize_case(r, out_path);
+  if (std::string(magic, 4) != "KVQC") throw std::runtime_error(case_path + ": not a kvq conformance case");
   const HostTensor q = r.required();
   const auto k = r.tensors();
   const auto k_format = r.ints();

@@ -2,7 +2,7 @@
 
 The PyTorch extension (`kvq_ao.kernels.cpu`) and the ExecuTorch kernel library are built on the
 user's machine with `-march=native`, so on a developer's x86 box only its AVX path is ever run.
-This module builds the same arithmetic (attention_core.h) into a standalone runner
+This module builds the same arithmetic (attention_core.h, quantize_core.h) into a standalone runner
 (conformance_main.cpp, no ATen, no ExecuTorch) for
 
 * `generic`: this machine's compiler with no `-march` (x86-64's baseline: none of the AVX paths,
@@ -10,9 +10,9 @@ This module builds the same arithmetic (attention_core.h) into a standalone runn
 * `aarch64`: Debian's cross compiler (`aarch64-linux-gnu-g++`, ARMv8.2-A with the dot-product
   extension, NEON), statically linked and run under `qemu-aarch64` (correctness, not speed);
 
-and writes the conformance cases for it (`write_case`) and reads back its outputs
-(`read_output`). tests/kernels/test_portable_builds.py runs the conformance suite's decode cases
-through both. `compile_only` cross-compiles the PyTorch extension and ExecuTorch library
+and writes the conformance cases for it (`write_case`, `write_quantize_case`) and reads back its
+outputs. tests/kernels/test_portable_builds.py runs the conformance suite's decode cases and
+quantize_fixed cases through both. `compile_only` cross-compiles the PyTorch extension and ExecuTorch library
 sources to objects (their aarch64 runtimes are not on an x86 machine, so nothing is linked).
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvq_ao.kernels.cpu import GENERATED_HEADER, generated_header
+from kvq_ao.kernels.cpu import GENERATED_HEADER, HEADERS, generated_header
 
 HERE = Path(__file__).parent
 RUNNER_SOURCE = "conformance_main.cpp"
@@ -62,13 +62,14 @@ TARGETS = {
 
 def build_runner(target: Target, directory: Path, header_dir: Path = HERE) -> Path:
     """Compile the conformance runner for `target` into `directory` (the headers from `header_dir`,
-    so a test can build a deliberately broken copy); returns the binary."""
+    so a test can build a deliberately broken copy; headers it lacks are copied in); returns the binary."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / GENERATED_HEADER).write_text(generated_header())
     binary = directory / f"kvq_conformance-{target.name}"
     source = Path(header_dir) / RUNNER_SOURCE  # beside its headers: `#include "..."` looks there first
-    if not source.exists():
-        shutil.copyfile(HERE / RUNNER_SOURCE, source)
+    for name in (RUNNER_SOURCE, *HEADERS):  # what the caller did not replace
+        if not (Path(header_dir) / name).exists():
+            shutil.copyfile(HERE / name, Path(header_dir) / name)
     command = [target.compiler, *target.flags, f"-I{directory}", str(source), "-o", str(binary)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -110,6 +111,36 @@ def write_case(args: dict, path: Path, tasks: int = 3) -> None:
     path.write_bytes(b"".join(out))
 
 
+def write_quantize_case(x: torch.Tensor, bits: int, zero: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
+                        lo: torch.Tensor, hi: torch.Tensor, n_outliers: int, path: Path) -> None:
+    """`kvq.quantize_fixed`'s arguments (float32 x) as a case file. The codebook goes as its
+    midpoints, computed as the PyTorch layer computes them (float32)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"the portable runner codes float32 keys, got {x.dtype}")
+    cb = codebook.float()
+    mids = (cb[1:] + cb[:-1]) * 0.5 if cb.numel() else torch.zeros(0)
+    parts = [b"KVQF", struct.pack("<i", CASE_VERSION), _tensor(x), struct.pack("<q", bits)]
+    parts += [_tensor(t.float().contiguous()) for t in (zero, scale, mids, lo, hi)]
+    parts.append(struct.pack("<q", n_outliers))
+    path.write_bytes(b"".join(parts))
+
+
+def read_quantize_output(path: Path, x_shape, n_outliers: int) -> tuple:
+    """(codes, out_val, out_idx, clamped) as the op returns them, from the runner's output file."""
+    data = path.read_bytes()
+    (clamped,) = struct.unpack_from("<q", data)
+    blobs, at = [], 8
+    for _ in range(3):
+        (size,) = struct.unpack_from("<q", data, at)
+        blobs.append(bytearray(data[at + 8 : at + 8 + size]))
+        at += 8 + size
+    rows = list(x_shape[:-1])
+    codes = torch.frombuffer(blobs[0], dtype=torch.uint8).reshape(*rows, -1) if blobs[0] else torch.zeros(*rows, 0, dtype=torch.uint8)
+    out_val = torch.frombuffer(blobs[1], dtype=torch.float32).reshape(*rows, n_outliers) if blobs[1] else torch.zeros(*rows, 0)
+    out_idx = torch.frombuffer(blobs[2], dtype=torch.uint8).reshape(*rows, n_outliers) if blobs[2] else torch.zeros(*rows, 0, dtype=torch.uint8)
+    return codes, out_val, out_idx, torch.tensor(clamped)
+
+
 def read_output(path: Path, shape) -> torch.Tensor:
     """The runner's float32 output, in the op's output shape."""
     data = path.read_bytes()
@@ -148,4 +179,5 @@ def compile_only(target: Target, directory: Path) -> list[Path]:
     return objects
 
 
-__all__ = ["TARGETS", "Target", "build_runner", "compile_only", "read_output", "run", "write_case"]
+__all__ = ["TARGETS", "Target", "build_runner", "compile_only", "read_output", "read_quantize_output", "run", "write_case",
+           "write_quantize_case"]

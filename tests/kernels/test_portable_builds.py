@@ -3,7 +3,9 @@ the conformance suite's decode cases and compared with the float64 oracle, as th
 ExecuTorch builds are in test_conformance.py:
 
 * `generic`: built for baseline x86-64 (no AVX), run natively: the fallback every other CPU gets;
-* `aarch64`: cross-compiled (ARMv8.2-A + dot product, NEON) and run under qemu-user.
+* `aarch64`: cross-compiled (ARMv8.2-A + dot product, NEON) and run under qemu-user;
+
+and the one-token key append (`quantize_fixed`) on both, byte for byte against the reference.
 
 A machine without Debian's cross compiler and qemu-user skips the aarch64 build with that reason;
 CI installs them (.ci/run sets KVQ_AO_REQUIRE_PORTABLE=1, and then a missing tool fails here).
@@ -122,3 +124,41 @@ def test_the_extension_and_executorch_sources_compile_for_aarch64(tmp_path):
     for obj in objects:
         header = obj.read_bytes()[:20]
         assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183
+
+
+def _quantize_cases(n: int) -> list[tuple]:
+    """quantize_fixed's arguments (float32 keys: no ties between entries), every width, codebook or
+    uniform levels, 0-3 outlier slots, head_dim 64/128/256, random ranges (as test_conformance)."""
+    from kvq_ao.quant.codebook import nf_codebook
+    from kvq_ao.quant.uniform import fixed_range
+
+    cases = []
+    for seed in range(n):
+        g = torch.Generator().manual_seed(seed)
+        bits, slots, d = [2, 3, 4, 8][seed % 4], seed % 4, [64, 128, 256][seed % 3]
+        t = 1 + seed * 7 % 40
+        x = torch.randn(2, 3, t, d, generator=g) * 2
+        lo, hi = -1.5 - torch.rand(3, d, generator=g), 1.0 + torch.rand(3, d, generator=g)
+        cb = nf_codebook(bits) if seed % 3 == 1 and bits <= 4 else torch.zeros(0)
+        zero, scale = fixed_range(lo, hi, 1 if cb.numel() else 2**bits - 1, [torch.float16, torch.bfloat16][seed % 2])
+        cases.append((x, bits, zero, scale, cb, lo, hi, slots if d < 255 else 0))
+    return cases
+
+
+@pytest.mark.parametrize("name", ["generic", "aarch64"])
+def test_quantize_fixed_is_byte_identical_to_the_reference(built, name):
+    """The one-token key append (quantize_core.h): codes, outlier slots and the clamped count, byte for byte."""
+    from kvq_ao.kernels import reference
+
+    target, binary, directory = built(name)
+    cases = _quantize_cases(24)
+    pairs = [(directory / f"quantize-{i}.case", directory / f"quantize-{i}.{name}.out") for i in range(len(cases))]
+    for case, (path, _) in zip(cases, pairs):
+        portable.write_quantize_case(*case, path)
+    portable.run(target, binary, pairs)
+    for i, (case, (_, out)) in enumerate(zip(cases, pairs)):
+        got = portable.read_quantize_output(out, case[0].shape, case[-1])
+        want = reference.quantize_fixed(*case)
+        assert int(got[3]) == int(want[3]), f"case {i}: clamped {int(got[3])} != {int(want[3])}"
+        for field, a, b in zip(("codes", "out_val", "out_idx"), got[:3], want[:3]):
+            assert torch.equal(a, b.to(a.dtype)), f"case {i}: {field} differs"
