@@ -30,6 +30,9 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -81,9 +84,32 @@ inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return 
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 inline v8i splat_i(int32_t x) { return v8i{x, x, x, x, x, x, x, x}; }
+#if defined(__ARM_NEON)
+// Arm (NEON, every aarch64 CPU): GCC lowers the 8-lane vectors to pairs of 128-bit registers, but
+// byte widening, table lookups and horizontal sums have no generic form it turns into NEON (they
+// become one lane insert or extract per element), so those few helpers have NEON bodies below.
+template <class V> inline void neon_halves(const V& v, uint32x4_t* lo, uint32x4_t* hi) {
+  std::memcpy(lo, &v, 16);
+  std::memcpy(hi, reinterpret_cast<const char*>(&v) + 16, 16);
+}
+template <class V, class H> inline V neon_join(const H& lo, const H& hi) {
+  V v;
+  std::memcpy(&v, &lo, 16);
+  std::memcpy(reinterpret_cast<char*>(&v) + 16, &hi, 16);
+  return v;
+}
+// The bytes of float lanes t[code]: each lane's 4 byte indices code * 4 + {0, 1, 2, 3}.
+inline uint8x16_t neon_float_bytes(uint32x4_t code) {
+  return vreinterpretq_u8_u32(vmlaq_n_u32(vdupq_n_u32(0x03020100u), code, 0x04040404u));
+}
+#endif
+
 inline v8i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes
 #if defined(__AVX2__)
   return reinterpret_cast<v8i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__ARM_NEON)
+  const uint16x8_t w = vmovl_u8(vld1_u8(p));
+  return neon_join<v8i>(vmovl_u16(vget_low_u16(w)), vmovl_high_u16(w));
 #else
   return v8i{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
 #endif
@@ -115,6 +141,9 @@ template <int N> inline typename Vec<N>::i bytesv(const uint8_t* p) {  // N byte
 #if defined(__AVX2__)
   if constexpr (N == 8) return reinterpret_cast<typename Vec<N>::i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #endif
+#if defined(__ARM_NEON)
+  if constexpr (N == 8) return bytes8(p);
+#endif
   typename Vec<N>::i v;
   for (int l = 0; l < N; ++l) v[l] = p[l];
   return v;
@@ -132,6 +161,20 @@ template <int N, int BITS = 4> inline typename Vec<N>::f lookupv(typename Vec<N>
     const __m256 above = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), c);
     // code >= 8 picks `above`: blendv reads the sign bit, where a shift by 28 puts bit 3 of the code
     return reinterpret_cast<typename Vec<N>::f>(_mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28))));
+  }
+#endif
+#if defined(__ARM_NEON)
+  if constexpr (N == 8) {  // one byte-table lookup (TBL) per 4 lanes: 8 levels are 32 bytes, 16 are 64
+    uint32x4_t lo, hi;
+    neon_halves(code, &lo, &hi);
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(table);
+    if constexpr (BITS <= 3) {
+      const uint8x16x2_t t = vld1q_u8_x2(bytes);
+      return neon_join<typename Vec<N>::f>(vqtbl2q_u8(t, neon_float_bytes(lo)), vqtbl2q_u8(t, neon_float_bytes(hi)));
+    } else {
+      const uint8x16x4_t t = vld1q_u8_x4(bytes);
+      return neon_join<typename Vec<N>::f>(vqtbl4q_u8(t, neon_float_bytes(lo)), vqtbl4q_u8(t, neon_float_bytes(hi)));
+    }
   }
 #endif
   typename Vec<N>::f v;
@@ -156,6 +199,16 @@ inline void hsum8x8(const v8f* a, float* out) {
   const __m256 s67 = _mm256_hadd_ps(reinterpret_cast<__m256>(a[6]), reinterpret_cast<__m256>(a[7]));
   const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);  // [0..3 | 0..3], [4..7 | 4..7]
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+#elif defined(__ARM_NEON)
+  float32x4_t s[8];
+  for (int r = 0; r < 8; ++r) {
+    float32x4_t lo, hi;
+    std::memcpy(&lo, &a[r], 16);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&a[r]) + 16, 16);
+    s[r] = vaddq_f32(lo, hi);
+  }
+  for (int r = 0; r < 8; r += 4)  // pairwise adds: [s0 s1 s2 s3] sums in one register
+    vst1q_f32(out + r, vpaddq_f32(vpaddq_f32(s[r], s[r + 1]), vpaddq_f32(s[r + 2], s[r + 3])));
 #else
   for (int r = 0; r < 8; ++r) out[r] = hsum(a[r]);
 #endif

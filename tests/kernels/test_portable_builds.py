@@ -116,6 +116,21 @@ def test_a_planted_error_in_the_vector_code_fails_the_cases(built, name, tmp_pat
     assert len(bad) >= len(CASES) // 2, bad
 
 
+def test_a_planted_error_in_the_neon_code_fails_the_aarch64_cases(built, tmp_path):
+    """The NEON bodies (byte widening, codebook lookups by TBL, horizontal sums) are what the aarch64
+    build runs: a copy whose lookup reads each level's bytes one byte off fails the codebook cases."""
+    target, _, _ = built("aarch64")
+    source = (portable.HERE / "attention_core.h").read_text()
+    right = "vdupq_n_u32(0x03020100u)"
+    assert source.count(right) == 1
+    (tmp_path / "attention_core.h").write_text(source.replace(right, "vdupq_n_u32(0x04030201u)"))
+    bad = _mismatches(target, portable.build_runner(target, tmp_path, header_dir=tmp_path), tmp_path)
+    fused = ["k2v2-codebook", "k3v3-codebook", "k4v4-codebook"]  # keys and values read from codebook codes in registers
+    assert all(c in bad for c in fused), sorted(bad)
+    with_levels = [c for c in DECODE_CASES if "codebook" in c and "k8" not in c]  # 8-bit codes take no codebook
+    assert [c for c in with_levels if c not in bad] == [], sorted(bad)
+
+
 def test_the_extension_and_executorch_sources_compile_for_aarch64(tmp_path):
     """The PyTorch extension's and the ExecuTorch kernel library's sources, cross-compiled to
     objects (linking needs aarch64 builds of torch and executorch, which are not here)."""
