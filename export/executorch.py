@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao.config import KVQuantConfig
+from kvq_ao.files import atomic_write
 from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
 from kvq_ao.export.decoder import INITIALIZED, LAYER_TENSORS, DecodeStep, export_decode_step, greedy_generate
 
@@ -124,7 +125,7 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     # 8k tokens. Reinplaced, they write in place.
     et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(initialized)], run_reinplace_pass=True))
     path = Path(path)
-    path.write_bytes(et.buffer)
+    atomic_write(path, et.buffer)
     lowered = et.exported_program()
     delegates = sum(1 for n in lowered.graph.nodes if n.target is executorch_call_delegate)
     return ExportedPte(path, _mutable_buffers(lowered), delegates, "native" if native else "portable")

@@ -16,6 +16,7 @@ import torch
 
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.export.decoder import DecodeStep, greedy_generate
+from kvq_ao.files import replacing
 from kvq_ao.ops import decompositions
 
 
@@ -51,8 +52,10 @@ def export_onnx(model, config: KVQuantConfig, path: str | Path, max_seq_len: int
     meta = {"max_seq_len": str(max_seq_len), "kvq_config": json.dumps(config.to_dict())}
     onnx_program.model.metadata_props.update(meta)
     path = Path(path)
-    onnx_program.save(str(path))
-    np.savez(path.with_suffix(".cache_init.npz"), **{n: t.numpy() for n, t in zip(names, initial)})
+    with replacing(path) as tmp:  # atomically (kvq_ao.files): a reader never loads half a program
+        onnx_program.save(str(tmp))
+    with replacing(path.with_suffix(".cache_init.npz")) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **{n: t.numpy() for n, t in zip(names, initial)})
     return path
 
 

@@ -21,7 +21,9 @@ pickle), checked on load against the model and config it is used with.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import glob
 import hashlib
 import json
 import sys
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvq_ao import artifacts
+from kvq_ao.files import atomic_write
 from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.model_info import check_model, model_dims, rotary_of
@@ -110,16 +113,22 @@ class Calibration:
 
     # -- files
     def save(self, path: str | Path) -> Path:
-        """Write `path` (.json metadata) and its .safetensors next to it; returns the JSON path."""
-        from safetensors.torch import save_file
+        """Write `path` (.json metadata) and its .safetensors next to it; returns the JSON path.
+
+        Both atomically, the tensors first under a name holding their checksum
+        (`<name>.<sha256[:12]>.safetensors`), then the JSON naming them: a reader sees a whole
+        calibration or none, and two writers racing on one path leave one whole calibration (each
+        JSON names its own tensors). Tensors files no JSON names any more are removed after an hour."""
+        from safetensors.torch import save as to_bytes
 
         path = Path(path).with_suffix(".json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensor_path = path.with_suffix(".safetensors")
-        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tensor_path))
-        meta = dict(self.meta, tensors_file=tensor_path.name, tensors_sha256=_sha256(tensor_path))
+        data = to_bytes({k: v.contiguous() for k, v in self.tensors.items()})
+        digest = hashlib.sha256(data).hexdigest()
+        tensor_path = atomic_write(path.with_name(f"{path.stem}.{digest[:12]}.safetensors"), data)
+        meta = dict(self.meta, tensors_file=tensor_path.name, tensors_sha256=digest)
         meta.pop("path", None)
-        path.write_text(json.dumps(meta, indent=2) + "\n")
+        atomic_write(path, json.dumps(meta, indent=2) + "\n")
+        _remove_stale_tensors(path, keep=tensor_path)
         return path
 
     @classmethod
@@ -149,6 +158,18 @@ class Calibration:
             raise ValueError(f"{tensor_path}: unreadable safetensors file ({e})") from None
         meta["path"] = str(path)
         return cls(meta, tensors)
+
+
+def _remove_stale_tensors(path: Path, keep: Path, age_s: float = 3600.0) -> None:
+    """Tensors files of earlier saves of `path` (`<stem>.<hash>.safetensors`) older than `age_s`: a
+    concurrent writer's fresh file may still be about to be named by its JSON, an old one is not."""
+    import time
+
+    for f in path.parent.glob(glob.escape(path.stem) + ".*.safetensors"):
+        if f != keep and f.stem.rsplit(".", 1)[0] == path.stem:
+            with contextlib.suppress(OSError):
+                if time.time() - f.stat().st_mtime > age_s:
+                    f.unlink()
 
 
 def _sha256(path: Path) -> str:

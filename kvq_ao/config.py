@@ -379,7 +379,10 @@ class KVQuantConfig(AOBaseConfig):
         return json.dumps(self.to_dict(), sort_keys=True)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the config as JSON, atomically (`kvq_ao.files`)."""
+        from kvq_ao.files import atomic_write
+
+        atomic_write(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> KVQuantConfig:

@@ -101,6 +101,7 @@ def run(model_name: str = "smollm2", configs: tuple[str, ...] = DEFAULT_CONFIGS,
     from kvq_ao.calibration import calibrate_missing
     from kvq_ao.config import KVQuantConfig
     from kvq_ao.eval import evaluate_many, greedy, print_results
+    from kvq_ao.files import atomic_write
     from kvq_ao.models import load_model, pydoc_text, text_windows
 
     stages = Stages(total=5)
@@ -132,7 +133,7 @@ def run(model_name: str = "smollm2", configs: tuple[str, ...] = DEFAULT_CONFIGS,
     print(f"\ndemo wall time {total:.0f} s ({timing})")
     if json_out:
         rows = dict(results=[r.as_dict() for r in results], stage_seconds=stages.seconds, total_seconds=total)
-        Path(json_out).write_text(json.dumps(rows, indent=2) + "\n")
+        atomic_write(json_out, json.dumps(rows, indent=2) + "\n")
         _log(f"wrote {json_out}")
     return results
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvq_ao.config import CODEBOOK_BITS, FP, KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.files import atomic_write
 from kvq_ao.tuning.pareto import CANDIDATES, Pair, check_pair
 
 PROFILE_VERSION = 1
@@ -122,7 +123,7 @@ class LayerProfile:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = dict(kvq_ao_profile=PROFILE_VERSION, model=self.model, base=self.base, candidates=[list(p) for p in self.candidates],
                     attn_error=self.attn_error.tolist(), kl=self.kl.tolist(), tokens=self.tokens, meta=self.meta)  # fmt: skip
-        path.write_text(json.dumps(data) + "\n")
+        atomic_write(path, json.dumps(data) + "\n")
         return path
 
     @classmethod

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao import artifacts
+from kvq_ao.files import replacing
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.tuning.cluster import cluster_layers, group_candidates
 from kvq_ao.tuning.pareto import KVTUNER_WIDTHS, Pair, candidate_pairs, pair_bits, prune
@@ -128,7 +129,7 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
 
 def write_front(result: TuneResult, csv_path: str | Path, png_path: str | Path | None = None) -> None:
     """The measured Pareto front (and the uniform assignments) as CSV, and a bits-vs-loss plot."""
-    with open(csv_path, "w", newline="") as f:
+    with replacing(csv_path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["kind", "avg_bits", "kl", "predicted_kl", "pairs_per_group"])
         for r in result.front:
@@ -156,7 +157,8 @@ def write_front(result: TuneResult, csv_path: str | Path, png_path: str | Path |
     ax.set_ylabel("KL(fp || quantized) on calibration text")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    with replacing(png_path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 

@@ -383,7 +383,7 @@ def test_calibration_serves_a_config_that_only_stores_outliers_in_another_dtype(
 def test_corrupt_or_truncated_calibration_is_rejected(artifact, tmp_path):
     cfg, calib = artifact
     path = calib.save(tmp_path / "c.json")
-    tensors = path.with_suffix(".safetensors")
+    tensors = path.parent / json.loads(path.read_text())["tensors_file"]
     data = tensors.read_bytes()
     tensors.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="corrupt or truncated"):

@@ -1,0 +1,46 @@
+"""Writing files so that no reader ever sees half of one.
+
+Every file kvq_ao writes (calibrations, configs, layer profiles, tuned configs, exported programs)
+goes through `atomic_write` or `replacing`: the bytes go to a temporary file in the same folder,
+are flushed to disk, and the temporary file is renamed over the target (`os.replace`, atomic on
+POSIX and Windows). A killed process leaves the old file or the new one, never a prefix; two
+writers racing on one path leave one of their two files whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def replacing(path: str | Path):
+    """Yields a temporary path beside `path`; when the block ends without an error, that file
+    (which the block must have written) replaces `path`. On an error it is removed and `path` is
+    left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> Path:
+    """Write `data` (text as UTF-8) to `path` atomically; returns `path`."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return path
+
+
+__all__ = ["atomic_write", "replacing"]

@@ -1,0 +1,71 @@
+"""Files kvq_ao writes are written atomically (`kvq_ao.files`): a failed write leaves the old file,
+racing writers leave one whole file, and racing builders of the native kernels both end with a
+working library."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvq_ao.calibration import CALIBRATION_VERSION, Calibration
+from kvq_ao.files import atomic_write, replacing
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = atomic_write(tmp_path / "c.json", "old")
+    with pytest.raises(RuntimeError):
+        with replacing(path) as tmp:
+            tmp.write_text("half of the new")
+            raise RuntimeError("killed mid-write")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+    assert atomic_write(path, b"new").read_bytes() == b"new"
+
+
+def _calibration(value: float) -> Calibration:
+    meta = {"kvq_ao_calibration": CALIBRATION_VERSION, "model": {"name": "m"}, "config": {"name": "c"}}
+    return Calibration(meta, {"layers.0.key.codebook": torch.full((4096,), value)})
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from kvq_ao.calibration import CALIBRATION_VERSION, Calibration
+    value, path = float(sys.argv[1]), sys.argv[2]
+    meta = {"kvq_ao_calibration": CALIBRATION_VERSION, "model": {"name": "m"}, "config": {"name": "c"}}
+    for i in range(40):
+        Calibration(meta, {"layers.0.key.codebook": torch.full((4096,), value + i)}).save(path)
+""")
+
+
+def test_racing_calibration_writers_leave_a_whole_calibration_at_every_moment(tmp_path):
+    """Two processes save calibrations of different tensors to one path 40 times each while this one
+    reads it: every read is one writer's whole calibration (its JSON and the tensors it names)."""
+    path = tmp_path / "c.json"
+    _calibration(-1.0).save(path)
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(v), str(path)]) for v in (0.0, 1000.0)]
+    reads = 0
+    while any(w.poll() is None for w in writers):
+        calib = Calibration.load(path)
+        values = calib.tensors["layers.0.key.codebook"]
+        assert torch.equal(values, values[:1].expand_as(values))  # one save's tensors, not a mix
+        reads += 1
+    assert [w.returncode for w in writers] == [0, 0] and reads > 0
+    final = float(Calibration.load(path).tensors["layers.0.key.codebook"][0])
+    assert final in (39.0, 1039.0)
+    assert json.loads(path.read_text())["tensors_file"] in os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_two_processes_building_the_native_kernels_at_once_both_get_them(tmp_path):
+    """An empty user cache and two first uses at the same moment (two workers starting): both load
+    a working library (torch's extension builder locks its build folder; the second waits)."""
+    code = ("import torch, kvq_ao.kernels.cpu as cpu; assert cpu.load(), cpu._state['failed']; "
+            "assert torch._C._dispatch_has_kernel_for_dispatch_key('kvq::decode_attention', 'CPU')")
+    env = {**os.environ, "KVQ_AO_CACHE": str(tmp_path)}
+    builders = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for b in builders:
+        _, err = b.communicate(timeout=900)
+        assert b.returncode == 0, err[-2000:]
