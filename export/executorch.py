@@ -20,6 +20,7 @@ import torch
 
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.files import atomic_write
+from kvq_ao.format import FORMAT_VERSION
 from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
 from kvq_ao.export.decoder import INITIALIZED, LAYER_TENSORS, DecodeStep, export_decode_step, greedy_generate
 
@@ -117,7 +118,8 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     if prefix_ids:
         step.fill(list(prefix_ids))
     program = export_decode_step(step, native_attention=native)
-    constants = {"get_max_seq_len": max_seq_len, "get_prefix_len": step.prefix_len}
+    constants = {"get_max_seq_len": max_seq_len, "get_prefix_len": step.prefix_len,
+                 "get_kvq_format_version": FORMAT_VERSION, "get_kvq_config": config.fingerprint()}
     edge = to_edge_transform_and_lower(program, partitioner=partitioners or None, constant_methods=constants)
     initialized = list(LAYER_TENSORS) if prefix_ids else list(INITIALIZED)  # a prefix: every cache buffer keeps its value
     # The cache's index writes become index_put on its buffers; without reinplacing, each step copies
@@ -183,18 +185,28 @@ class ExecuTorchRunner:
     The runtime's own log lines while loading go to the `kvq_ao.executorch` logger (INFO), not
     the terminal: `logging.basicConfig(level=logging.INFO)` or `kvq talk --verbose` shows them."""
 
-    def __init__(self, path: str | Path, load_kvq_kernels: bool = True):
+    def __init__(self, path: str | Path, load_kvq_kernels: bool = True, config: KVQuantConfig | None = None):
         """load_kvq_kernels: load (building on first use) the kvq ExecuTorch kernel library that
         `.pte` files exported with native kvq kernels call; False only to see the error a
-        runtime without it gives."""
+        runtime without it gives. config: refuse a program exported with another config.
+        A program of another kvq_ao format version, or a file that is not a whole program, is
+        refused with the reason."""
         from executorch.runtime import Runtime
 
         from kvq_ao.kernels.cpu import executorch_library
 
         if load_kvq_kernels:
             executorch_library.load()
-        with native_log_to(LOG):
-            self.program = Runtime.get().load_program(Path(path))
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no ExecuTorch program at {path}")
+        try:
+            with native_log_to(LOG):
+                self.program = Runtime.get().load_program(path)
+                names = set(self.program.method_names) if hasattr(self.program, "method_names") else set()
+        except Exception as e:  # the runtime's own error types
+            raise ValueError(f"{path}: not a loadable ExecuTorch program (truncated or damaged?): {e}") from None
+        self._check_versions(path, names, config)
         if not executorch_library.is_loaded() and executorch_library.OP in program_operators(path):
             why = executorch_library.failure()
             raise RuntimeError(
@@ -206,10 +218,26 @@ class ExecuTorchRunner:
             )
         with native_log_to(LOG):
             self.method = self.program.load_method("forward")
-            self.max_seq_len = int(self.program.load_method("get_max_seq_len").execute([])[0])
-            names = self.program.method_names if hasattr(self.program, "method_names") else ()
-            self.prefix_len = int(self.program.load_method("get_prefix_len").execute([])[0]) if "get_prefix_len" in names else 0
+            self.max_seq_len = self._constant("get_max_seq_len")
+            self.prefix_len = self._constant("get_prefix_len") if "get_prefix_len" in names else 0
         self._generated = False
+
+    def _constant(self, name: str) -> int:
+        return int(self.program.load_method(name).execute([])[0])
+
+    def _check_versions(self, path: Path, names: set, config: KVQuantConfig | None) -> None:
+        if "get_kvq_format_version" not in names:
+            raise ValueError(f"{path}: records no kvq_ao format version (exported by an older kvq_ao, or not by kvq_ao); "
+                             f"export it again with this version (format {FORMAT_VERSION})")  # fmt: skip
+        with native_log_to(LOG):
+            version, fingerprint = self._constant("get_kvq_format_version"), self._constant("get_kvq_config")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{path}: exported for kvq_ao cache format {version}, this kvq_ao reads format {FORMAT_VERSION}; "
+                             "export it again")  # fmt: skip
+        if config is not None and fingerprint != config.fingerprint():
+            raise ValueError(f"{path}: exported with another config than {config.name!r} (fingerprint {fingerprint:012x}, "
+                             f"this config's {config.fingerprint():012x})")  # fmt: skip
+        self.config_fingerprint = fingerprint
 
     def step(self, token: int, position: int) -> torch.Tensor:
         if position >= self.max_seq_len:

@@ -17,6 +17,7 @@ import torch
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.export.decoder import DecodeStep, greedy_generate
 from kvq_ao.files import replacing
+from kvq_ao.format import FORMAT_VERSION
 from kvq_ao.ops import decompositions
 
 
@@ -49,7 +50,7 @@ def export_onnx(model, config: KVQuantConfig, path: str | Path, max_seq_len: int
             dynamo=True,
             verbose=False,  # its progress lines went to stdout, mixed into `kvq export --prompt`'s answer
         )
-    meta = {"max_seq_len": str(max_seq_len), "kvq_config": json.dumps(config.to_dict())}
+    meta = {"max_seq_len": str(max_seq_len), "kvq_config": json.dumps(config.to_dict()), "kvq_format_version": str(FORMAT_VERSION)}
     onnx_program.model.metadata_props.update(meta)
     path = Path(path)
     with replacing(path) as tmp:  # atomically (kvq_ao.files): a reader never loads half a program
@@ -62,12 +63,28 @@ def export_onnx(model, config: KVQuantConfig, path: str | Path, max_seq_len: int
 class OnnxRunner:
     """Greedy generation with an exported `.onnx` in onnxruntime."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, config: KVQuantConfig | None = None):
+        """config: refuse a model exported with another config. A model of another kvq_ao format
+        version, or a file that is not a whole model, is refused with the reason."""
         import onnx
         import onnxruntime
 
         path = Path(path)
-        meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        if not path.is_file():
+            raise FileNotFoundError(f"no ONNX model at {path}")
+        try:
+            meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        except Exception as e:  # protobuf's DecodeError and onnx's own
+            raise ValueError(f"{path}: not a loadable ONNX model (truncated or damaged?): {e}") from None
+        if "kvq_format_version" not in meta:
+            raise ValueError(f"{path}: records no kvq_ao format version (exported by an older kvq_ao, or not by kvq_ao); "
+                             f"export it again with this version (format {FORMAT_VERSION})")  # fmt: skip
+        if meta["kvq_format_version"] != str(FORMAT_VERSION):
+            raise ValueError(f"{path}: exported for kvq_ao cache format {meta['kvq_format_version']}, this kvq_ao reads "
+                             f"format {FORMAT_VERSION}; export it again")  # fmt: skip
+        self.config = KVQuantConfig.from_dict(json.loads(meta["kvq_config"]))
+        if config is not None and self.config.to_json_key() != config.to_json_key():
+            raise ValueError(f"{path}: exported with config {self.config.name!r}, not with {config.name!r}")
         self.max_seq_len = int(meta["max_seq_len"])
         self.session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         init = np.load(path.with_suffix(".cache_init.npz"))

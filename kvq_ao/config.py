@@ -10,6 +10,7 @@ the dtype of scales. `KVQuantConfig` is a torchao `AOBaseConfig`, so
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -377,6 +378,11 @@ class KVQuantConfig(AOBaseConfig):
 
     def to_json_key(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    def fingerprint(self) -> int:
+        """A 48-bit integer naming this config's JSON: what an exported program records (ExecuTorch
+        constants are numbers), so a runner given a config can tell whether the program was built with it."""
+        return int(hashlib.sha256(self.to_json_key().encode()).hexdigest()[:12], 16)
 
     def save(self, path: str | Path) -> None:
         """Write the config as JSON, atomically (`kvq_ao.files`)."""

@@ -38,6 +38,10 @@ FLOAT_BITS = 0  # `bits` of a float body: codes hold the values themselves, no s
 ONE_ROW = 0  # `group` of calibrated per-channel ranges: one scale/zero row for every position
 PACKED_BITS = (2, 3, 4, 8)  # the widths of packed codes
 CODEBOOK_BITS = (2, 3, 4)  # the widths a codebook (non-uniform levels) may have
+# The version of everything above as bytes in memory: a program exported with packed caches (.pte,
+# .onnx) records it, and the runners refuse a program of another version (its buffers would be
+# read with another layout). Bump it with any change to what an operand's bytes mean.
+FORMAT_VERSION = 1
 EMPTY_SLOT = 255  # the channel index of an unused outlier slot: uint8, matches no channel
 MAX_OUTLIER_HEAD_DIM = EMPTY_SLOT - 1  # outlier channel indices must stay below EMPTY_SLOT
 
@@ -187,6 +191,6 @@ def c_header() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "EMPTY_SLOT", "FLOAT_BITS", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
+__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "EMPTY_SLOT", "FLOAT_BITS", "FORMAT_VERSION", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
            "Operand", "PACKED_BITS", "c_header", "check_format", "encode", "format_ints", "format_of", "is_float", "is_one_row", "midpoints", "tokens_per_group",
            "word_layout"]  # fmt: skip

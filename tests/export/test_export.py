@@ -361,3 +361,44 @@ def test_a_pte_exported_with_a_prefix_starts_from_its_cache_and_matches_eager(tm
         runner.generate(prompt, 4)
     with pytest.raises(ValueError, match="after a 40-token prefix exceeds the exported max_seq_len=96"):
         ExecuTorchRunner(pte.path).generate(prompt, 50)
+
+
+def test_runners_refuse_programs_of_another_format_version_another_config_or_damaged(tmp_path, monkeypatch):
+    """An exported program records kvq_ao's cache format version and its config; the runners refuse
+    another version (the buffers would be read with another layout), another config when given one,
+    and a truncated file, each naming the file and what is wrong."""
+    import onnx
+
+    from kvq_ao.export import executorch as et_export
+    from kvq_ao.export import onnx as onnx_export
+    from kvq_ao.export.executorch import ExecuTorchRunner
+    from kvq_ao.export.onnx import OnnxRunner
+
+    cfg, other = KVQuantConfig.preset("kivi-4"), KVQuantConfig.preset("kivi-2")
+    pte = export_executorch(tiny_llama(), cfg, tmp_path / "m.pte", max_seq_len=32).path
+    model = export_onnx(tiny_llama(), cfg, tmp_path / "m.onnx", max_seq_len=32)
+    assert ExecuTorchRunner(pte, config=cfg).max_seq_len == 32 and OnnxRunner(model, config=cfg).config == cfg
+    for runner, path in ((ExecuTorchRunner, pte), (OnnxRunner, model)):
+        with pytest.raises(ValueError, match="exported with .*config"):
+            runner(path, config=other)
+        damaged = tmp_path / f"damaged{path.suffix}"
+        damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+        if path.suffix == ".onnx":
+            damaged.with_suffix(".cache_init.npz").write_bytes(path.with_suffix(".cache_init.npz").read_bytes())
+        with pytest.raises(ValueError, match=f"{damaged.name}: not a loadable"):
+            runner(damaged)
+    # another format version: a .pte exported by a kvq_ao whose format differs, an .onnx edited to say so
+    monkeypatch.setattr(et_export, "FORMAT_VERSION", 999)
+    future = export_executorch(tiny_llama(), cfg, tmp_path / "future.pte", max_seq_len=32).path
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="future.pte: exported for kvq_ao cache format 999, this kvq_ao reads format 1"):
+        ExecuTorchRunner(future)
+    proto = onnx.load(str(model))
+    for p in proto.metadata_props:
+        if p.key == "kvq_format_version":
+            p.value = "999"
+    onnx.save(proto, str(tmp_path / "future.onnx"))
+    (tmp_path / "future.cache_init.npz").write_bytes(model.with_suffix(".cache_init.npz").read_bytes())
+    with pytest.raises(ValueError, match="future.onnx: exported for kvq_ao cache format 999"):
+        OnnxRunner(tmp_path / "future.onnx")
+    assert onnx_export.FORMAT_VERSION == 1
