@@ -18,6 +18,7 @@ sources to objects (their aarch64 runtimes are not on an x86 machine, so nothing
 
 from __future__ import annotations
 
+import platform
 import shutil
 import struct
 import subprocess
@@ -53,8 +54,10 @@ class Target:
 
 
 COMMON_FLAGS = ("-O2", "-std=c++17", "-fno-math-errno")
+# This machine's baseline: x86-64 without AVX on x86; elsewhere the compiler's default target.
+BASELINE = ("-march=x86-64", "-mtune=generic") if platform.machine() in ("x86_64", "AMD64") else ()
 TARGETS = {
-    "generic": Target("generic", "g++", (*COMMON_FLAGS, "-march=x86-64", "-mtune=generic")),
+    "generic": Target("generic", "g++", (*COMMON_FLAGS, *BASELINE)),
     "aarch64": Target("aarch64", "aarch64-linux-gnu-g++", (*COMMON_FLAGS, "-march=armv8.2-a+dotprod", "-static"),
                       ("qemu-aarch64",), "g++-aarch64-linux-gnu qemu-user"),
 }
