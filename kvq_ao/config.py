@@ -392,14 +392,15 @@ class KVQuantConfig(AOBaseConfig):
 
     @classmethod
     def load(cls, path: str | Path) -> KVQuantConfig:
-        text = Path(path).read_text()
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         try:
+            if not isinstance(data, dict):
+                raise TypeError(f"a config is a JSON object, got {type(data).__name__}")
             return cls.from_dict(data)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{path}: invalid kvq_ao config: {e}") from None
 
 

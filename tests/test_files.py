@@ -110,3 +110,52 @@ def test_the_converted_model_cache_is_checked_and_a_damaged_copy_converted_again
     (folder / models.MANIFEST).unlink()  # converted by an earlier kvq_ao
     assert resolve() == folder and len(conversions) == 4 and "recording checksums" in logged[-1]
     assert models.manifest_problem(folder) is None
+
+
+def _artifacts(tmp_path):
+    """(path, loader, also_tolerated) for each file type kvq_ao reads back: calibration metadata and
+    tensors, a config, a layer profile. `also_tolerated`: what a damaged copy may load as instead of
+    raising (hand-editable JSON: any config that validates; checksummed tensors: nothing)."""
+    import numpy as np
+
+    from kvq_ao import KVQuantConfig
+    from kvq_ao.tuning.profile import LayerProfile
+
+    calib = _calibration(3.0).save(tmp_path / "c.json")
+    tensors = tmp_path / json.loads(calib.read_text())["tensors_file"]
+    config = tmp_path / "config.json"
+    KVQuantConfig.preset("kvquant-3-1pct").save(config)
+    profile = LayerProfile({"name": "m", "num_layers": 2, "kv_heads": 1, "head_dim": 8}, {}, [(4, 4), (2, 2)],
+                           np.ones((2, 2)), np.ones((2, 2)), 64, {}).save(tmp_path / "profile.json")  # fmt: skip
+    return [(calib, Calibration.load, "structure"), (tensors, lambda _: Calibration.load(calib), None),
+            (config, KVQuantConfig.load, "structure"), (profile, LayerProfile.load, "structure")]  # fmt: skip
+
+
+def test_damaged_files_of_every_kind_raise_an_error_naming_the_file(tmp_path):
+    """Each file truncated at 40 random offsets and with 40 random bytes flipped (one at a time):
+    loading raises a ValueError that names the file, or (for JSON a user may edit) loads a whole
+    object that passed validation; never another exception, never a partial load. Calibration
+    tensors are checksummed, so any change there is an error."""
+    import random
+
+    rng = random.Random(49)
+    artifacts = _artifacts(tmp_path)
+    calib_name = artifacts[0][0].name  # a damaged tensors file is reported by the calibration that names it
+    for path, load, tolerated in artifacts:
+        original = path.read_bytes()
+        damaged = []
+        for _ in range(40):
+            damaged.append(original[: rng.randrange(1, len(original))])
+            i = rng.randrange(len(original))
+            damaged.append(original[:i] + bytes([original[i] ^ rng.randrange(1, 256)]) + original[i + 1 :])
+        for data in damaged:
+            path.write_bytes(data)
+            try:
+                loaded = load(path)
+            except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: an edited name of the tensors file
+                assert path.name in str(e) or calib_name in str(e), f"{path.name}: the error does not name the file: {e}"
+                continue
+            assert tolerated, f"{path.name}: a damaged copy loaded without an error"
+            assert loaded is not None
+        path.write_bytes(original)
+        load(path)  # the undamaged file still loads

@@ -131,15 +131,15 @@ class LayerProfile:
         path = Path(path)
         try:
             d = json.loads(path.read_text())
-            if d.get("kvq_ao_profile") != PROFILE_VERSION:
+            if not isinstance(d, dict) or d.get("kvq_ao_profile") != PROFILE_VERSION:
                 raise ValueError("not a kvq_ao layer profile (version 1)")
             cands = [tuple(p) for p in d["candidates"]]
             attn, kl = np.asarray(d["attn_error"], dtype=np.float64), np.asarray(d["kl"], dtype=np.float64)
             if attn.shape != (d["model"]["num_layers"], len(cands)) or kl.shape != attn.shape:
                 raise ValueError("table shapes do not match the model's layers and the candidates")
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: invalid layer profile ({e})") from None
-        return cls(d["model"], d["base"], cands, attn, kl, d["tokens"], d.get("meta", {}))
+            return cls(d["model"], d["base"], cands, attn, kl, d["tokens"], d.get("meta", {}))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: invalid layer profile ({type(e).__name__}: {e})") from None
 
     def check_model(self, model) -> None:
         from kvq_ao.calibration import model_key
