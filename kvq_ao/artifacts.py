@@ -19,9 +19,10 @@ regenerates the tree from scratch, and tests check that every shipped file still
 from __future__ import annotations
 
 import glob
-import os
 import shutil
 from pathlib import Path
+
+from kvq_ao.files import replacing
 
 SHIPPED = Path(__file__).parent / "shipped"
 
@@ -49,10 +50,8 @@ def seed(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     companions = sorted(twin.parent.glob(glob.escape(twin.stem) + ".*"), key=lambda f: f.name == twin.name)
     for src in companions:
-        dst = path.parent / src.name
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        with replacing(path.parent / src.name) as tmp:
+            shutil.copyfile(src, tmp)
     return path
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvq_ao import artifacts
-from kvq_ao.files import atomic_write
+from kvq_ao.files import atomic_write, sha256_of
 from kvq_ao.cache import TensorCalibration
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.model_info import check_model, model_dims, rotary_of
@@ -150,7 +150,7 @@ class Calibration:
         tensor_path = path.parent / meta["tensors_file"]
         if not tensor_path.exists():
             raise FileNotFoundError(f"{path}: its tensors file {tensor_path} is missing")
-        if _sha256(tensor_path) != meta["tensors_sha256"]:
+        if sha256_of(tensor_path) != meta["tensors_sha256"]:
             raise ValueError(f"{tensor_path}: corrupt or truncated (checksum differs from {path.name})")
         try:
             tensors = load_file(str(tensor_path))
@@ -170,10 +170,6 @@ def _remove_stale_tensors(path: Path, keep: Path, age_s: float = 3600.0) -> None
             with contextlib.suppress(OSError):
                 if time.time() - f.stat().st_mtime > age_s:
                     f.unlink()
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- activations

@@ -10,6 +10,7 @@ writers racing on one path leave one of their two files whole.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -35,6 +36,15 @@ def replacing(path: str | Path):
         raise
 
 
+def sha256_of(path: str | Path) -> str:
+    """The hex sha256 of a file, read in 4 MiB blocks (model weights are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def atomic_write(path: str | Path, data: bytes | str) -> Path:
     """Write `data` (text as UTF-8) to `path` atomically; returns `path`."""
     path = Path(path)
@@ -43,4 +53,4 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
     return path
 
 
-__all__ = ["atomic_write", "replacing"]
+__all__ = ["atomic_write", "replacing", "sha256_of"]

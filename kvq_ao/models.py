@@ -9,7 +9,6 @@ local transformers folder or a `.gguf` file works too.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -69,25 +68,19 @@ MANIFEST = "kvq_manifest.json"
 MANIFEST_VERSION = 1
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path) -> None:
     """Record the size and sha256 of every file in a converted-model folder."""
-    from kvq_ao.files import atomic_write
+    from kvq_ao.files import atomic_write, sha256_of
 
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.iterdir())
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(folder.iterdir())
              if p.is_file() and p.name != MANIFEST}  # fmt: skip
     atomic_write(folder / MANIFEST, json.dumps({"kvq_ao_model_cache": MANIFEST_VERSION, "files": files}, indent=1) + "\n")
 
 
 def manifest_problem(folder: Path) -> str | None:
     """What is wrong with a converted-model folder against its manifest, or None when it matches."""
+    from kvq_ao.files import sha256_of
+
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = manifest["files"] if manifest.get("kvq_ao_model_cache") == MANIFEST_VERSION else None
@@ -101,7 +94,7 @@ def manifest_problem(folder: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"{name} holds {path.stat().st_size} bytes, the manifest says {want['bytes']}"
-        if _sha256(path) != want["sha256"]:
+        if sha256_of(path) != want["sha256"]:
             return f"{name} differs from its recorded sha256"
     return None
 
