@@ -444,6 +444,13 @@ def enable_inductor_fusion() -> None:
         _CACHE_ENTRY: implementation_digest(),
     }
 
+    # Stored scales and zeros are rounded to their dtype (float16) before codes are computed against
+    # them (`kvq_ao.quant.uniform`). By default inductor drops a float32 -> float16 -> float32 round
+    # trip inside a fused kernel, so compiled code stored other bytes than eager (codes computed
+    # against the unrounded scale; benchmarks/soak.py found it). This makes inductor round as eager
+    # does: in float32 models only kvq's casts change; in bf16/fp16 models compiled intermediates
+    # are rounded to their dtype as eager rounds them.
+    inductor_config.emulate_precision_casts = True
     for op, decomposition in decompositions("inductor").items():
         register_decomposition(op)(decomposition)
     # Where the decomposition declines (a native kernel serves the device) the op reaches inductor's

@@ -200,3 +200,28 @@ def test_inductor_caches_are_keyed_on_the_traced_sources(monkeypatch):
     real = inspect.getsource
     monkeypatch.setattr(inspect, "getsource", lambda m: real(m) + ("#" if m.__name__.endswith("packing") else ""))
     assert ops.implementation_digest() != inductor_config.unsafe_marked_cacheable_functions[ops._CACHE_ENTRY]
+
+
+@pytest.mark.parametrize("fmt, bits, codebook, outliers", [
+    ((4, 1, 32), 4, False, 0),  # per-channel keys (KIVI)
+    ((2, 0, 32), 2, False, 0),  # per-token values
+    ((3, 0, 64), 3, True, 0),  # calibrated levels, one scale per vector
+    ((4, 0, 64), 4, False, 2),  # per-vector outliers kept exact
+])  # fmt: skip
+def test_compiled_quantize_stores_the_bytes_eager_stores(fmt, bits, codebook, outliers):
+    """Scales and zeros are rounded to float16 before codes are computed against them; inductor drops
+    such a round trip unless told not to, and compiled caches then held other bytes than eager ones
+    (codes against unrounded scales). Fresh random data, every output byte for byte."""
+    from kvq_ao.format import format_ints
+
+    enable_inductor_fusion()
+    g = torch.Generator().manual_seed(bits * 10 + outliers)
+    x = torch.randn(2, 3, 64, 64, generator=g) * torch.rand(1, 1, 1, 64, generator=g) * 4
+    levels = torch.sort(torch.rand(2**bits, generator=g))[0] if codebook else torch.zeros(0)
+    empty = torch.zeros(0)
+    args = (x, format_ints(*fmt), torch.float16, levels, empty, empty, outliers)
+    torch._dynamo.reset()
+    eager = torch.ops.kvq.quantize(*args)
+    compiled = torch.compile(lambda *a: torch.ops.kvq.quantize(*a), fullgraph=True)(*args)
+    for name, e, c in zip(("codes", "scale", "zero", "out_val", "out_idx", "clamped"), eager, compiled):
+        assert torch.equal(e.contiguous().view(-1).view(torch.uint8), c.contiguous().view(-1).view(torch.uint8)), name
