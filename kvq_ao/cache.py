@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, StaticCache
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.finite import refuse_non_finite
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
@@ -257,6 +258,7 @@ class QuantizedLayer(CacheLayerMixin):
         if reserve is not None and reserve < 0:
             raise ValueError(f"reserve must be >= 0 tokens, got {reserve}")
         self.reserve = reserve or 0
+        self.layer_idx: int | None = None  # set by QuantizedKVCache (error messages name the layer)
         self.cumulative_length: int | torch.Tensor = 0
         self.capacity = 0
         self._record_past = False
@@ -407,6 +409,7 @@ class QuantizedLayer(CacheLayerMixin):
                 xk = self._without_sink(xk, b_old)
             if self.spec.value.token_block > 1:
                 xv = self._without_sink(xv, b_old)
+            refuse_non_finite(self._quantized(xk, xv, b_old), b_old, self.layer_idx)
             self.k_body.write(b_old, xk)
             self.v_body.write(b_old, xv)
         if new == old + 1 and (old < self.sink or old >= b_new):
@@ -423,6 +426,21 @@ class QuantizedLayer(CacheLayerMixin):
             self.cumulative_length.fill_(new)
         else:
             self.cumulative_length = new
+
+    def _quantized(self, xk: torch.Tensor, xv: torch.Tensor, first_pos) -> dict[str, torch.Tensor]:
+        """Of a block going into the body at first_pos, what is stored quantized and read from there
+        (what must be finite): not an unquantized kind, and not the sink's rows, which a per-token
+        format codes too but attention reads from the side store (per-channel blocks had them
+        replaced already, `_without_sink`)."""
+        out = {}
+        for kind, x, spec in (("key", xk, self.spec.key), ("value", xv, self.spec.value)):
+            if not spec.is_quantized:
+                continue
+            if self.sink and spec.token_block == 1:
+                positions = first_pos + torch.arange(x.shape[2], device=x.device)
+                x = torch.where((positions < self.sink).view(1, 1, -1, 1), torch.zeros_like(x), x)
+            out[kind] = x
+        return out
 
     def _keep_in_side(self, k: torch.Tensor, v: torch.Tensor, old: int, new: int, b_new: int) -> None:
         """Writes the tokens of positions [old, new) that stay in full precision (the sink, and
@@ -469,6 +487,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self.spec.value.token_block > 1:
             xv = self._without_sink(xv, start)
         enable = complete.reshape(())
+        refuse_non_finite(self._quantized(xk, xv, start), start, self.layer_idx, enable)
         self.k_body.write_block_if(start, xk, enable)
         self.v_body.write_block_if(start, xv, enable)
         end = torch.div(torch.clamp(behind, min=0), self.block, rounding_mode="floor") * self.block
@@ -748,6 +767,8 @@ class QuantizedKVCache(Cache):
         else:
             layers = [QuantizedStaticLayer(s, max_cache_len=max_cache_len, calibration=layer_calib(i), rope=ropes[i], **common)
                       for i, s in enumerate(specs)]  # fmt: skip
+        for i, layer in enumerate(layers):
+            layer.layer_idx = i
         Cache.__init__(self, layers=layers)  # not the Static/DynamicCache constructors: they build float layers
         self.config = config
 

@@ -1,0 +1,68 @@
+"""Refusing NaN and Inf where keys and values are quantized.
+
+A float cache stores a NaN or Inf key as it is, and it shows: every query that reads it gets NaN.
+Quantized, the same entry would become codes and a scale silently (a NaN range clamps to some
+code, an Inf range to a scale that erases the group). So every block is checked as it goes into
+the quantized body, the one place each token passes through once: one float32 sum over the block
+(NaN and Inf survive a sum) and, only when that is not finite, a search for the first bad entry
+to name. Tokens still in the full-precision window or the sink are held exactly, as a float cache
+would hold them, and are checked when they leave the window.
+
+Compiled and exported code is not checked (a limit the README states). Raising needs a host read,
+and both in-graph ways tried failed: an assert inside an inductor CPU kernel aborted the whole
+process when it fired in a parallel loop, and a callback op into Python per layer and step cost
+4-14% of the compiled append in a first measurement (benchmarks/append.py's compiled path).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class NonFiniteKVError(ValueError):
+    """A key or value with NaN or Inf reached the quantized body."""
+
+
+
+
+def _first_bad(x: torch.Tensor) -> tuple[int, ...] | None:
+    bad = (~torch.isfinite(x)).nonzero()
+    return tuple(int(i) for i in bad[0]) if bad.numel() else None
+
+
+def _raise_first_bad(blocks: dict[str, torch.Tensor], first_position: int, layer: int) -> None:
+    for kind, x in blocks.items():
+        where = _first_bad(x)
+        if where is not None:
+            b, h, i, c = where
+            bad = x[b, h, i, c].item()
+            raise NonFiniteKVError(
+                f"kvq: {kind} with {bad} at position {first_position + i} (layer {layer}, batch row {b}, "
+                f"head {h}, stored channel {c}) cannot be quantized: a quantized cache does not store NaN or Inf. "
+                "It came from the model's projections (a damaged checkpoint, or a float16 overflow: try bfloat16 "
+                "or float32); an fp cache would return NaN for every query that reads it. (Stored channels are the "
+                "model's unless keys are stored before RoPE or rotated, which mix channels.)"
+            )
+    # every entry finite: the float32 sum itself overflowed (entries near float32's maximum); nothing to refuse
+
+
+def refuse_non_finite(blocks: dict[str, torch.Tensor], first_position, layer: int | None,
+                      enable: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Raise NonFiniteKVError if a block ({"key": [B, H, n, D], "value": ...}, those about to be
+    quantized at positions first_position..) holds NaN or Inf: one float32 sum and one host read
+    per block, the search for the entry to name only when that sum is not finite.
+
+    enable: a 0-dim bool (the static append quantizes a block every step and keeps it only when it
+    is complete): checked only when true. Compiled and exported code skip the check (see above)."""
+    if not blocks or torch.compiler.is_compiling():
+        return
+    if enable is not None and not bool(enable):
+        return
+    total = sum(x.sum(dtype=torch.float32) for x in blocks.values())
+    if not math.isfinite(float(total)):
+        _raise_first_bad(blocks, int(first_position), -1 if layer is None else layer)
+
+
+__all__ = ["NonFiniteKVError", "refuse_non_finite"]
