@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvq_ao.config import KVQuantConfig
-from kvq_ao.files import atomic_write
+from kvq_ao.files import atomic_write, record_checksum, verify_checksum
 from kvq_ao.format import FORMAT_VERSION
 from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
 from kvq_ao.export.decoder import INITIALIZED, LAYER_TENSORS, DecodeStep, export_decode_step, greedy_generate
@@ -128,6 +128,7 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(initialized)], run_reinplace_pass=True))
     path = Path(path)
     atomic_write(path, et.buffer)
+    record_checksum(path)  # <path>.sha256: the runner checks it (a flipped byte in a weight would load silently)
     lowered = et.exported_program()
     delegates = sum(1 for n in lowered.graph.nodes if n.target is executorch_call_delegate)
     return ExportedPte(path, _mutable_buffers(lowered), delegates, "native" if native else "portable")
@@ -185,12 +186,14 @@ class ExecuTorchRunner:
     The runtime's own log lines while loading go to the `kvq_ao.executorch` logger (INFO), not
     the terminal: `logging.basicConfig(level=logging.INFO)` or `kvq talk --verbose` shows them."""
 
-    def __init__(self, path: str | Path, load_kvq_kernels: bool = True, config: KVQuantConfig | None = None):
+    def __init__(self, path: str | Path, load_kvq_kernels: bool = True, config: KVQuantConfig | None = None,
+                 verify: bool = True):  # fmt: skip
         """load_kvq_kernels: load (building on first use) the kvq ExecuTorch kernel library that
         `.pte` files exported with native kvq kernels call; False only to see the error a
         runtime without it gives. config: refuse a program exported with another config.
         A program of another kvq_ao format version, or a file that is not a whole program, is
-        refused with the reason."""
+        refused with the reason; so is one that differs from the checksum recorded beside it at
+        export (`<file>.sha256`), unless verify=False."""
         from executorch.runtime import Runtime
 
         from kvq_ao.kernels.cpu import executorch_library
@@ -200,6 +203,8 @@ class ExecuTorchRunner:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no ExecuTorch program at {path}")
+        if verify:
+            verify_checksum(path)
         try:
             with native_log_to(LOG):
                 self.program = Runtime.get().load_program(path)

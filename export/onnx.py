@@ -16,7 +16,7 @@ import torch
 
 from kvq_ao.config import KVQuantConfig
 from kvq_ao.export.decoder import DecodeStep, greedy_generate
-from kvq_ao.files import replacing
+from kvq_ao.files import record_checksum, replacing, verify_checksum
 from kvq_ao.format import FORMAT_VERSION
 from kvq_ao.ops import decompositions
 
@@ -57,21 +57,28 @@ def export_onnx(model, config: KVQuantConfig, path: str | Path, max_seq_len: int
         onnx_program.save(str(tmp))
     with replacing(path.with_suffix(".cache_init.npz")) as tmp, open(tmp, "wb") as f:
         np.savez(f, **{n: t.numpy() for n, t in zip(names, initial)})
+    for written in (path, path.with_suffix(".cache_init.npz")):
+        record_checksum(written)  # <file>.sha256: the runner checks it (a flipped byte in a weight would load silently)
     return path
 
 
 class OnnxRunner:
     """Greedy generation with an exported `.onnx` in onnxruntime."""
 
-    def __init__(self, path: str | Path, config: KVQuantConfig | None = None):
+    def __init__(self, path: str | Path, config: KVQuantConfig | None = None, verify: bool = True):
         """config: refuse a model exported with another config. A model of another kvq_ao format
-        version, or a file that is not a whole model, is refused with the reason."""
+        version, or a file that is not a whole model, is refused with the reason; so is one whose
+        file or initial cache differs from the checksum recorded beside it at export
+        (`<file>.sha256`), unless verify=False."""
         import onnx
         import onnxruntime
 
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no ONNX model at {path}")
+        if verify:
+            for exported in (path, path.with_suffix(".cache_init.npz")):
+                verify_checksum(exported)
         try:
             meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
         except Exception as e:  # protobuf's DecodeError and onnx's own

@@ -53,4 +53,31 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
     return path
 
 
-__all__ = ["atomic_write", "replacing", "sha256_of"]
+
+
+def checksum_path(path: str | Path) -> Path:
+    """Where `record_checksum` keeps a file's checksum: `<file>.sha256`, beside it."""
+    path = Path(path)
+    return path.with_name(path.name + ".sha256")
+
+
+def record_checksum(path: str | Path) -> Path:
+    """Write `<file>.sha256` for a file kvq_ao produced, in sha256sum's format (so `sha256sum -c
+    <file>.sha256` checks it too); `verify_checksum` checks it before the file is trusted."""
+    path = Path(path)
+    return atomic_write(checksum_path(path), f"{sha256_of(path)}  {path.name}\n")
+
+
+def verify_checksum(path: str | Path) -> None:
+    """Raise ValueError naming the file unless it matches the checksum `record_checksum` wrote."""
+    path = Path(path)
+    record = checksum_path(path)
+    if not record.is_file():
+        raise ValueError(f"{path}: no recorded checksum ({record.name} is missing: exported by an older kvq_ao, or copied "
+                         "without it); export it again, or pass verify=False to load it unchecked")  # fmt: skip
+    want = record.read_text(errors="replace").split()[:1]
+    if want != [sha256_of(path)]:
+        raise ValueError(f"{path}: differs from the sha256 recorded in {record.name} at export (damaged or edited since)")
+
+
+__all__ = ["atomic_write", "checksum_path", "record_checksum", "replacing", "sha256_of", "verify_checksum"]

@@ -366,7 +366,11 @@ def test_a_pte_exported_with_a_prefix_starts_from_its_cache_and_matches_eager(tm
 def test_runners_refuse_programs_of_another_format_version_another_config_or_damaged(tmp_path, monkeypatch):
     """An exported program records kvq_ao's cache format version and its config; the runners refuse
     another version (the buffers would be read with another layout), another config when given one,
-    and a truncated file, each naming the file and what is wrong."""
+    a file that differs from the checksum recorded at export (one flipped byte), and, unchecked, a
+    truncated file, each naming the file and what is wrong."""
+    import random
+
+    from kvq_ao.files import checksum_path, record_checksum
     import onnx
 
     from kvq_ao.export import executorch as et_export
@@ -382,10 +386,20 @@ def test_runners_refuse_programs_of_another_format_version_another_config_or_dam
         with pytest.raises(ValueError, match="exported with .*config"):
             runner(path, config=other)
         damaged = tmp_path / f"damaged{path.suffix}"
-        damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
         if path.suffix == ".onnx":
-            damaged.with_suffix(".cache_init.npz").write_bytes(path.with_suffix(".cache_init.npz").read_bytes())
+            for f in (damaged.with_suffix(".cache_init.npz"), checksum_path(damaged.with_suffix(".cache_init.npz"))):
+                f.write_bytes((path.parent / f.name.replace("damaged", path.stem)).read_bytes())
+        data = bytearray(path.read_bytes())
+        data[random.Random(7).randrange(len(data))] ^= 0x10  # one flipped bit anywhere (a weight, most likely)
+        damaged.write_bytes(bytes(data))
+        checksum_path(damaged).write_text(checksum_path(path).read_text().replace(path.name, damaged.name))
+        with pytest.raises(ValueError, match=f"{damaged.name}: differs from the sha256 recorded in {damaged.name}.sha256"):
+            runner(damaged)
+        damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
         with pytest.raises(ValueError, match=f"{damaged.name}: not a loadable"):
+            runner(damaged, verify=False)
+        checksum_path(damaged).unlink()
+        with pytest.raises(ValueError, match=f"{damaged.name}: no recorded checksum"):
             runner(damaged)
     # another format version: a .pte exported by a kvq_ao whose format differs, an .onnx edited to say so
     monkeypatch.setattr(et_export, "FORMAT_VERSION", 999)
@@ -399,6 +413,8 @@ def test_runners_refuse_programs_of_another_format_version_another_config_or_dam
             p.value = "999"
     onnx.save(proto, str(tmp_path / "future.onnx"))
     (tmp_path / "future.cache_init.npz").write_bytes(model.with_suffix(".cache_init.npz").read_bytes())
+    for f in ("future.onnx", "future.cache_init.npz"):
+        record_checksum(tmp_path / f)  # as a future kvq_ao's export would
     with pytest.raises(ValueError, match="future.onnx: exported for kvq_ao cache format 999"):
         OnnxRunner(tmp_path / "future.onnx")
     assert onnx_export.FORMAT_VERSION == 1
