@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,3 +160,47 @@ def test_damaged_files_of_every_kind_raise_an_error_naming_the_file(tmp_path):
             assert loaded is not None
         path.write_bytes(original)
         load(path)  # the undamaged file still loads
+
+
+def test_another_version_or_another_model_of_every_kind_is_refused_by_name(tmp_path):
+    """Each artifact kvq_ao reads back, written by a kvq_ao of another format version, or made for
+    another model, gives an error naming the file (or the artifact) and what is wrong. (Exported
+    programs: tests/export/test_export.py, which also checks their recorded checksums; they carry
+    their model's weights, so "another model" is another config there.)"""
+    from conftest import tiny_llama
+    from kvq_ao import KVQuantConfig, LayerKV, QuantSpec, quantize_kv_
+    from kvq_ao import models
+    from kvq_ao.tuning.profile import LayerProfile
+
+    artifacts = _artifacts(tmp_path)
+    version_keys = {"c.json": "kvq_ao_calibration", "config.json": "kvq_ao_config", "profile.json": "kvq_ao_profile"}
+    loaders = {path.name: load for path, load, _ in artifacts}
+    for name, key in version_keys.items():
+        path = tmp_path / name
+        data = json.loads(path.read_text())
+        assert key in data, f"{name} records no version under {key!r}"
+        path.write_text(json.dumps({**data, key: data[key] + 1}))
+        with pytest.raises(ValueError, match=f"{name}: .*(version|not a kvq_ao)"):
+            loaders[name](path)
+
+    # another model: a calibration, a layer profile and a per-layer config made for another layout
+    calib = _calibration(1.0)
+    calib.meta["model"] = {"name": "other", "num_layers": 30, "kv_heads": 3, "head_dim": 64}
+    with pytest.raises(ValueError, match=r"was made for other \(30 layers, 3 KV heads"):
+        calib.check_model(2, 2, 64)
+    profile = LayerProfile({"name": "other", "num_layers": 2, "kv_heads": 1, "head_dim": 8}, {}, [(4, 4)],
+                           np.ones((2, 1)), np.ones((2, 1)), 64, {})  # fmt: skip
+    with pytest.raises(ValueError, match=r"this profile was made for other \(2 layers, 1 KV heads, head_dim 8\)"):
+        profile.check_model(tiny_llama(layers=2))
+    per_layer = KVQuantConfig(layers=(LayerKV(QuantSpec(4, "channel"), QuantSpec(4)),) * 30, name="tuned-for-30")
+    with pytest.raises(ValueError, match="'tuned-for-30' has 30 layer specs but the model has 2 layers"):
+        quantize_kv_(tiny_llama(layers=2), per_layer)
+
+    # the converted-model cache: a manifest of another version is a problem (the folder is converted again)
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    models.write_manifest(folder)
+    manifest = json.loads((folder / models.MANIFEST).read_text())
+    (folder / models.MANIFEST).write_text(json.dumps({**manifest, "kvq_ao_model_cache": models.MANIFEST_VERSION + 1}))
+    assert "not a version-1 kvq_ao manifest" in models.manifest_problem(folder)
