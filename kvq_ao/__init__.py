@@ -24,6 +24,7 @@ _PUBLIC = {
     "LayerKV": "kvq_ao.config",
     "QuantSpec": "kvq_ao.config",
     "QuantizedKVCache": "kvq_ao.cache",
+    "NonFiniteKVError": "kvq_ao.finite",
     "QuantizedKV": "kvq_ao.tensor",
     "MemoryReport": "kvq_ao.memory",
     "estimate": "kvq_ao.memory",
@@ -39,6 +40,7 @@ __all__ = [
     "KVQuantConfig",
     "LayerKV",
     "MemoryReport",
+    "NonFiniteKVError",
     "QuantSpec",
     "QuantizedKV",
     "QuantizedKVCache",
@@ -96,6 +98,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from kvq_ao.eval import evaluate
     from kvq_ao.export import export_executorch, export_onnx
     from kvq_ao.memory import MemoryReport, estimate
+    from kvq_ao.finite import NonFiniteKVError
     from kvq_ao.models import load_model
     from kvq_ao.tensor import QuantizedKV
     from kvq_ao.tuning.tuner import tune

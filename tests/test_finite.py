@@ -12,7 +12,7 @@ import torch
 from conftest import kvquant_config, tiny_llama
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec, make_cache, quantize_kv_
 from kvq_ao.cache import QuantizedKVCache
-from kvq_ao.finite import NonFiniteKVError
+from kvq_ao import NonFiniteKVError
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.kernels import cpu as native_cpu
 
