@@ -11,7 +11,7 @@ would hold them, and are checked when they leave the window.
 Compiled and exported code is not checked (a limit the README states). Raising needs a host read,
 and both in-graph ways tried failed: an assert inside an inductor CPU kernel aborted the whole
 process when it fired in a parallel loop, and a callback op into Python per layer and step cost
-4-14% of the compiled append in a first measurement (benchmarks/append.py's compiled path).
+4-14% of the compiled append (one run of benchmarks/append.py while it had a compiled path).
 """
 
 from __future__ import annotations

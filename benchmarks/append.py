@@ -1,0 +1,114 @@
+"""One-token append: what the NaN/Inf check costs (kvq_ao.finite) on each append path.
+
+A cache of SmolLM2's shape (30 layers, 3 KV heads, head_dim 64, float32) starts with `--prefill`
+tokens, then appends one token per layer per step, `--steps` steps (block completions included,
+so the per-block work is amortized as in decoding). Each round times the same appends with the
+check on and off (`refuse_non_finite` replaced by a pass-through), alternating which goes first;
+the table gives the median over rounds of (on - off) / off.
+
+Paths: the eager dynamic cache (every decode step outside torch.compile) and the eager static
+cache (generate's `cache_implementation="static"` without compiling). Compiled and exported code
+carry no check (kvq_ao/finite.py says why), so there is nothing to time there. Presets: kivi-4 (window of 128), kvquant-3-1pct (calibrated key ranges: the
+native one-token key append) and int4-token (no window: every append quantizes).
+
+Reproduce (docs/reliability.md):
+    python benchmarks/append.py --out results/append/append_check_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save_json, stamp  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM = 30, 3, 64
+PATHS = ("eager-dynamic", "eager-static")
+
+
+def _cache(preset: str, static_len: int | None):
+    from kvq_ao import KVQuantConfig, QuantizedKVCache
+
+    cfg = KVQuantConfig.preset(preset)
+    calibration = rope = None
+    if cfg.needs_calibration or cfg.pre_rope_keys:
+        from kvq_ao.api import calibration_for, rope_for
+        from kvq_ao.models import load_model
+
+        model, _ = load_model("smollm2", log=lambda *a: None)
+        calibration, rope = calibration_for(model, cfg), rope_for(model, cfg)
+    return QuantizedKVCache(cfg, LAYERS, max_cache_len=static_len, calibration=calibration, rope=rope)
+
+
+def _timed(path: str, preset: str, prefill: int, steps: int, check: bool) -> float:
+    """Seconds per step (all layers) of `steps` one-token appends after a prefill."""
+    import kvq_ao.cache as cache_module
+    from kvq_ao.finite import refuse_non_finite
+
+    cache_module.refuse_non_finite = refuse_non_finite if check else (lambda blocks, first, layer, enable=None: enable)
+    try:
+        cache = _cache(preset, None if path == "eager-dynamic" else prefill + steps + 1)
+        g = torch.Generator().manual_seed(0)
+        kv = torch.randn(2, LAYERS, 1, HEADS, prefill + steps, HEAD_DIM, generator=g)
+        for i, layer in enumerate(cache.layers):
+            layer.update(kv[0, i, :, :, :prefill], kv[1, i, :, :, :prefill])
+            if path == "eager-dynamic":
+                layer.ensure_capacity(prefill + steps, exact=True)  # no growth copy inside the timed steps
+
+        def step(k: torch.Tensor, v: torch.Tensor) -> None:
+            for i, layer in enumerate(cache.layers):
+                layer.update(k[i], v[i])
+
+        tokens = [(kv[0, :, :, :, t : t + 1].clone(), kv[1, :, :, :, t : t + 1].clone()) for t in range(prefill, prefill + steps)]
+        with torch.no_grad():
+            for k, v in tokens[:8]:  # warm-up
+                step(k, v)
+            start = time.perf_counter()
+            for k, v in tokens[8:]:
+                step(k, v)
+        return (time.perf_counter() - start) / (steps - 8)
+    finally:
+        cache_module.refuse_non_finite = refuse_non_finite
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="kivi-4,kvquant-3-1pct,int4-token")
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--prefill", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=264)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="results/append/append_check_cost.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for path in args.paths.split(","):
+        for preset in args.presets.split(","):
+            on, off = [], []
+            for r in range(args.rounds):
+                order = (True, False) if r % 2 == 0 else (False, True)
+                for check in order:
+                    (on if check else off).append(_timed(path, preset, args.prefill, args.steps, check))
+            cost = statistics.median((a - b) / b for a, b in zip(on, off)) * 100
+            rows.append(dict(path=path, preset=preset, check_on_us=round(statistics.median(on) * 1e6, 1),
+                             check_off_us=round(statistics.median(off) * 1e6, 1), cost_pct=round(cost, 2)))  # fmt: skip
+            print(f"{path:16} {preset:15} on {rows[-1]['check_on_us']:8.1f} us  off {rows[-1]['check_off_us']:8.1f} us  "
+                  f"cost {cost:+.2f}%", flush=True)  # fmt: skip
+    out = save_json(args.out, stamp(layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, prefill=args.prefill, steps=args.steps,
+                                    rounds=args.rounds, threads=args.threads, rows=rows))  # fmt: skip
+    print("\n| path | preset | append, check on (us/step, 30 layers) | check off | cost |\n|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['path']} | {r['preset']} | {r['check_on_us']} | {r['check_off_us']} | {r['cost_pct']:+.2f}% |")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
