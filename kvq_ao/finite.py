@@ -3,9 +3,9 @@
 A float cache stores a NaN or Inf key as it is, and it shows: every query that reads it gets NaN.
 Quantized, the same entry would become codes and a scale silently (a NaN range clamps to some
 code, an Inf range to a scale that erases the group). So every block is checked as it goes into
-the quantized body, the one place each token passes through once: one float32 sum over the block
-(NaN and Inf survive a sum) and, only when that is not finite, a search for the first bad entry
-to name. Tokens still in the full-precision window or the sink are held exactly, as a float cache
+the quantized body, the one place each token passes through once: one sum over the block (NaN
+and Inf survive a sum) and, only when that is not finite, a search for the first bad entry to
+name (a sum that overflowed on finite entries finds none and is let through). Tokens still in the full-precision window or the sink are held exactly, as a float cache
 would hold them, and are checked when they leave the window.
 
 Compiled and exported code is not checked (a limit the README states). Raising needs a host read,
@@ -45,14 +45,14 @@ def _raise_first_bad(blocks: dict[str, torch.Tensor], first_position: int, layer
                 "or float32); an fp cache would return NaN for every query that reads it. (Stored channels are the "
                 "model's unless keys are stored before RoPE or rotated, which mix channels.)"
             )
-    # every entry finite: the float32 sum itself overflowed (entries near float32's maximum); nothing to refuse
+    # every entry finite: the sum itself overflowed (entries near the dtype's maximum); nothing to refuse
 
 
 def refuse_non_finite(blocks: dict[str, torch.Tensor], first_position, layer: int | None,
                       enable: torch.Tensor | None = None) -> None:  # fmt: skip
     """Raise NonFiniteKVError if a block ({"key": [B, H, n, D], "value": ...}, those about to be
-    quantized at positions first_position..) holds NaN or Inf: one float32 sum and one host read
-    per block, the search for the entry to name only when that sum is not finite.
+    quantized at positions first_position..) holds NaN or Inf: one sum and one host read per kind
+    and block, the search for the entry to name only when a sum is not finite.
 
     enable: a 0-dim bool (the static append quantizes a block every step and keeps it only when it
     is complete): checked only when true. Compiled and exported code skip the check (see above)."""
@@ -60,9 +60,10 @@ def refuse_non_finite(blocks: dict[str, torch.Tensor], first_position, layer: in
         return
     if enable is not None and not bool(enable):
         return
-    total = sum(x.sum(dtype=torch.float32) for x in blocks.values())
-    if not math.isfinite(float(total)):
-        _raise_first_bad(blocks, int(first_position), -1 if layer is None else layer)
+    for x in blocks.values():  # a sum and a host read per kind (a Python sum of both cost 2x: one more op)
+        if not math.isfinite(x.sum().item()):  # in x's dtype: a float16 sum may overflow, then the search finds nothing
+            _raise_first_bad(blocks, int(first_position), -1 if layer is None else layer)
+            return
 
 
 __all__ = ["NonFiniteKVError", "refuse_non_finite"]

@@ -96,7 +96,7 @@ def test_non_finite_in_window_and_sink_is_held_exactly_as_an_fp_cache_holds_it()
 
 
 def test_finite_entries_near_float32_max_are_not_refused():
-    """The check sums each block in float32; a sum that overflows on finite entries is not an error."""
+    """The check sums each block; a sum that overflows on finite entries is not an error."""
     cache = QuantizedKVCache(KVQuantConfig(default=LayerKV(QuantSpec(8, "token", 32), QuantSpec(8, "token", 32)),
                                            name="int8-token"), 1)  # fmt: skip
     k = torch.full((1, 2, 32, 64), 3e38)

@@ -12,6 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import soak  # noqa: E402
 
+pytestmark = pytest.mark.slow  # SmolLM2
+
 
 @pytest.fixture(scope="module")
 def stream():
