@@ -487,7 +487,8 @@ class QuantizedLayer(CacheLayerMixin):
         if self.spec.value.token_block > 1:
             xv = self._without_sink(xv, start)
         enable = complete.reshape(())
-        refuse_non_finite(self._quantized(xk, xv, start), start, self.layer_idx, enable)
+        if not torch.compiler.is_compiling() and bool(enable):  # eager: check only a block that is kept
+            refuse_non_finite(self._quantized(xk, xv, start), int(start), self.layer_idx)
         self.k_body.write_block_if(start, xk, enable)
         self.v_body.write_block_if(start, xv, enable)
         end = torch.div(torch.clamp(behind, min=0), self.block, rounding_mode="floor") * self.block

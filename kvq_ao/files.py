@@ -53,8 +53,6 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
     return path
 
 
-
-
 def checksum_path(path: str | Path) -> Path:
     """Where `record_checksum` keeps a file's checksum: `<file>.sha256`, beside it."""
     path = Path(path)

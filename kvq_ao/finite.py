@@ -5,8 +5,9 @@ Quantized, the same entry would become codes and a scale silently (a NaN range c
 code, an Inf range to a scale that erases the group). So every block is checked as it goes into
 the quantized body, the one place each token passes through once: one sum over the block (NaN
 and Inf survive a sum) and, only when that is not finite, a search for the first bad entry to
-name (a sum that overflowed on finite entries finds none and is let through). Tokens still in the full-precision window or the sink are held exactly, as a float cache
-would hold them, and are checked when they leave the window.
+name (a sum that overflowed on finite entries finds none and is let through). Tokens still in
+the full-precision window or the sink are held exactly, as a float cache would hold them, and
+are checked when they leave the window.
 
 Compiled and exported code is not checked (a limit the README states). Raising needs a host read,
 and both in-graph ways tried failed: an assert inside an inductor CPU kernel aborted the whole
@@ -23,8 +24,6 @@ import torch
 
 class NonFiniteKVError(ValueError):
     """A key or value with NaN or Inf reached the quantized body."""
-
-
 
 
 def _first_bad(x: torch.Tensor) -> tuple[int, ...] | None:
@@ -48,21 +47,16 @@ def _raise_first_bad(blocks: dict[str, torch.Tensor], first_position: int, layer
     # every entry finite: the sum itself overflowed (entries near the dtype's maximum); nothing to refuse
 
 
-def refuse_non_finite(blocks: dict[str, torch.Tensor], first_position, layer: int | None,
-                      enable: torch.Tensor | None = None) -> None:  # fmt: skip
+def refuse_non_finite(blocks: dict[str, torch.Tensor], first_position: int, layer: int | None) -> None:
     """Raise NonFiniteKVError if a block ({"key": [B, H, n, D], "value": ...}, those about to be
     quantized at positions first_position..) holds NaN or Inf: one sum and one host read per kind
-    and block, the search for the entry to name only when a sum is not finite.
-
-    enable: a 0-dim bool (the static append quantizes a block every step and keeps it only when it
-    is complete): checked only when true. Compiled and exported code skip the check (see above)."""
-    if not blocks or torch.compiler.is_compiling():
-        return
-    if enable is not None and not bool(enable):
+    and block, the search for the entry to name only when a sum is not finite. Compiled and
+    exported code skip the check (see above)."""
+    if torch.compiler.is_compiling():
         return
     for x in blocks.values():  # a sum and a host read per kind (a Python sum of both cost 2x: one more op)
         if not math.isfinite(x.sum().item()):  # in x's dtype: a float16 sum may overflow, then the search finds nothing
-            _raise_first_bad(blocks, int(first_position), -1 if layer is None else layer)
+            _raise_first_bad(blocks, first_position, -1 if layer is None else layer)
             return
 
 
