@@ -69,7 +69,7 @@ def tuned_config(model, tokenizer, budget: float, log=_log):
         return KVQuantConfig.load(path)
     ids = text_windows(tokenizer, pydoc_text("calib"), 2, 512)  # kvq tune's defaults
     base = base_config()
-    result = tune(model, ids, budget, base=base, profile_path=default_profile_path(model, base, ids), log=log)
+    result = tune(model, ids, budget, base=base, profile_path=default_profile_path(model, base, ids, log), log=log)
     result.config.save(path)
     return result.config
 

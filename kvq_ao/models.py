@@ -52,7 +52,7 @@ def _convert_gguf(gguf: Path, out: Path, log=print) -> None:
     tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")  # one per process: concurrent conversions do not mix
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    write_manifest(tmp)
+    write_manifest(tmp, source=gguf)
     try:
         tmp.rename(out)
     except OSError:  # another process finished first: keep its copy
@@ -61,33 +61,48 @@ def _convert_gguf(gguf: Path, out: Path, log=print) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# The converted-model cache records each file's size and sha256 when it is written, and a load
-# checks them (0.5 s for SmolLM2's 540 MB), so a truncated or edited copy is converted again
-# instead of loading wrong weights or failing deep inside safetensors.
+# The converted-model cache records each file's size and sha256 when it is written, and the GGUF it
+# was converted from (its sha256: the folder is named by the GGUF's name and size only, so another
+# GGUF of the same name and size, say a re-quantized release, must not reuse it). A load checks
+# all of them (under a second for SmolLM2's 98 MB GGUF and 540 MB conversion), so a truncated or
+# edited copy, or one of another GGUF, is converted again instead of loading wrong weights or
+# failing deep inside safetensors.
 MANIFEST = "kvq_manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
-def write_manifest(folder: Path) -> None:
-    """Record the size and sha256 of every file in a converted-model folder."""
+def _source_identity(source: Path) -> dict:
+    from kvq_ao.files import sha256_of
+
+    return {"name": source.name, "bytes": source.stat().st_size, "sha256": sha256_of(source)}
+
+
+def write_manifest(folder: Path, source: Path) -> None:
+    """Record the size and sha256 of every file in a converted-model folder and of the GGUF `source`
+    it was converted from."""
     from kvq_ao.files import atomic_write, sha256_of
 
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(folder.iterdir())
              if p.is_file() and p.name != MANIFEST}  # fmt: skip
-    atomic_write(folder / MANIFEST, json.dumps({"kvq_ao_model_cache": MANIFEST_VERSION, "files": files}, indent=1) + "\n")
+    manifest = {"kvq_ao_model_cache": MANIFEST_VERSION, "source": _source_identity(source), "files": files}
+    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
-def manifest_problem(folder: Path) -> str | None:
-    """What is wrong with a converted-model folder against its manifest, or None when it matches."""
+def manifest_problem(folder: Path, source: Path) -> str | None:
+    """What is wrong with a converted-model folder against its manifest and the GGUF `source` it
+    should have been converted from, or None when everything matches."""
     from kvq_ao.files import sha256_of
 
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = manifest["files"] if manifest.get("kvq_ao_model_cache") == MANIFEST_VERSION else None
+        recorded = manifest.get("source")
     except (OSError, ValueError, KeyError, AttributeError) as e:
         return f"its manifest {MANIFEST} is unreadable ({type(e).__name__})"
-    if not isinstance(files, dict) or "config.json" not in files:
+    if not isinstance(files, dict) or "config.json" not in files or not isinstance(recorded, dict):
         return f"its manifest {MANIFEST} is not a version-{MANIFEST_VERSION} kvq_ao manifest"
+    if recorded != _source_identity(source):
+        return f"it was converted from another {source.name} (the GGUF's sha256 differs from the one recorded)"
     for name, want in files.items():
         path = folder / name
         if not path.is_file():
@@ -114,11 +129,8 @@ def resolve_model_path(name_or_path: str, log=print) -> Path:
             raise FileNotFoundError(f"{name_or_path!r} is not a packaged model ({known}), a .gguf file, or a transformers folder")
         return folder
     out = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
-    if out.exists() and (out / "config.json").is_file() and not (out / MANIFEST).exists():
-        log(f"kvq_ao: recording checksums of the converted model in {out} (converted before kvq_ao kept them)")
-        write_manifest(out)
-    if out.exists() and (problem := manifest_problem(out)):
-        log(f"kvq_ao: the converted model in {out} is damaged ({problem}); converting it again")
+    if out.exists() and (problem := manifest_problem(out, gguf)):
+        log(f"kvq_ao: the converted model in {out} cannot be used ({problem}); converting it again")
         shutil.rmtree(out)
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

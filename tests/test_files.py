@@ -73,9 +73,10 @@ def test_two_processes_building_the_native_kernels_at_once_both_get_them(tmp_pat
 
 
 def test_the_converted_model_cache_is_checked_and_a_damaged_copy_converted_again(tmp_path, monkeypatch):
-    """A GGUF is converted once into the user cache with a manifest of sizes and checksums; a copy
-    truncated or edited later (same size), or a file gone, is converted again, with the reason
-    logged; a folder converted before manifests existed gets one without converting."""
+    """A GGUF is converted once into the user cache with a manifest of sizes and checksums (of the
+    files and of the GGUF converted); a copy truncated or edited later (same size), a file gone, a
+    manifest gone, or a conversion of another GGUF of the same name and size is converted again,
+    with the reason logged."""
     from kvq_ao import models
 
     monkeypatch.setenv("KVQ_AO_CACHE", str(tmp_path / "cache"))
@@ -84,12 +85,12 @@ def test_the_converted_model_cache_is_checked_and_a_damaged_copy_converted_again
     conversions, logged = [], []
 
     def convert(source, out, log=print):  # what _convert_gguf leaves: a folder of files and their manifest
-        conversions.append(source)
+        conversions.append(source.read_bytes())
         tmp = out.with_name(out.name + ".partial")
         tmp.mkdir()
         (tmp / "config.json").write_text('{"model_type": "llama"}')
         (tmp / "model.safetensors").write_bytes(bytes(range(256)) * 64)
-        models.write_manifest(tmp)
+        models.write_manifest(tmp, source)
         tmp.rename(out)
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
@@ -101,22 +102,23 @@ def test_the_converted_model_cache_is_checked_and_a_damaged_copy_converted_again
         "truncated": lambda: weights.write_bytes(weights.read_bytes()[:1000]),
         "one byte edited": lambda: weights.write_bytes(b"\x01" + weights.read_bytes()[1:]),
         "a file gone": weights.unlink,
+        "the manifest gone": (folder / models.MANIFEST).unlink,
+        "another GGUF of the same name and size": lambda: gguf.write_bytes(b"GGUF" + bytes(59) + b"\x07"),
     }
     for n, (what, act) in enumerate(damage.items(), start=2):
         act()
-        assert models.manifest_problem(folder), what
+        assert models.manifest_problem(folder, gguf), what
         assert resolve() == folder and len(conversions) == n, what
-        assert "damaged" in logged[-1] and "converting it again" in logged[-1], what
-        assert models.manifest_problem(folder) is None and weights.read_bytes() == bytes(range(256)) * 64
-    (folder / models.MANIFEST).unlink()  # converted by an earlier kvq_ao
-    assert resolve() == folder and len(conversions) == 4 and "recording checksums" in logged[-1]
-    assert models.manifest_problem(folder) is None
+        assert "cannot be used" in logged[-1] and "converting it again" in logged[-1], what
+        assert models.manifest_problem(folder, gguf) is None and weights.read_bytes() == bytes(range(256)) * 64
+    assert "converted from another tiny.gguf" in logged[-1] and conversions[-1] == gguf.read_bytes()
 
 
 def _artifacts(tmp_path):
     """(path, loader, also_tolerated) for each file type kvq_ao reads back: calibration metadata and
     tensors, a config, a layer profile. `also_tolerated`: what a damaged copy may load as instead of
-    raising (hand-editable JSON: any config that validates; checksummed tensors: nothing)."""
+    raising (hand-editable JSON: any config that validates; checksummed content, the calibration's
+    tensors and a layer profile: nothing)."""
     import numpy as np
 
     from kvq_ao import KVQuantConfig
@@ -129,7 +131,7 @@ def _artifacts(tmp_path):
     profile = LayerProfile({"name": "m", "num_layers": 2, "kv_heads": 1, "head_dim": 8}, {}, [(4, 4), (2, 2)],
                            np.ones((2, 2)), np.ones((2, 2)), 64, {}).save(tmp_path / "profile.json")  # fmt: skip
     return [(calib, Calibration.load, "structure"), (tensors, lambda _: Calibration.load(calib), None),
-            (config, KVQuantConfig.load, "structure"), (profile, LayerProfile.load, "structure")]  # fmt: skip
+            (config, KVQuantConfig.load, "structure"), (profile, LayerProfile.load, None)]  # fmt: skip
 
 
 def test_damaged_files_of_every_kind_raise_an_error_naming_the_file(tmp_path):
@@ -200,7 +202,49 @@ def test_another_version_or_another_model_of_every_kind_is_refused_by_name(tmp_p
     folder = tmp_path / "converted"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    models.write_manifest(folder)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    models.write_manifest(folder, gguf)
     manifest = json.loads((folder / models.MANIFEST).read_text())
     (folder / models.MANIFEST).write_text(json.dumps({**manifest, "kvq_ao_model_cache": models.MANIFEST_VERSION + 1}))
-    assert "not a version-1 kvq_ao manifest" in models.manifest_problem(folder)
+    assert f"not a version-{models.MANIFEST_VERSION} kvq_ao manifest" in models.manifest_problem(folder, gguf)
+
+
+def test_an_edited_or_outdated_cached_layer_profile_is_replaced_not_used(tmp_path, monkeypatch):
+    """A layer profile is measured, never hand-written: one edited number is refused by its recorded
+    sha256. At `kvq tune`'s default place in the user cache such a file (or one of an older version)
+    is removed with the reason logged, so it is seeded or profiled again; the packaged model's
+    shipped profile goes back in its place, byte for byte."""
+    import shutil
+
+    import torch
+
+    from conftest import tiny_llama
+    from kvq_ao import artifacts
+    from kvq_ao.tuning.profile import LayerProfile, base_config
+    from kvq_ao.tuning.tuner import default_profile_path
+
+    path = _artifacts(tmp_path)[3][0]
+    data = json.loads(path.read_text())
+    data["kl"][1][0] = 0.5  # a plausible number, so only the checksum can tell
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="profile.json: .*differs from the sha256 recorded"):
+        LayerProfile.load(path)
+
+    monkeypatch.setenv("KVQ_AO_CACHE", str(tmp_path / "cache"))
+    model, ids, logged = tiny_llama(), torch.zeros(2, 16, dtype=torch.int64), []
+    cached = default_profile_path(model, base_config(), ids, logged.append)
+    cached.parent.mkdir(parents=True)
+    shutil.copyfile(path, cached)
+    assert default_profile_path(model, base_config(), ids, logged.append) == cached and not cached.exists()
+    assert "cached layer profile cannot be used" in logged[-1] and "differs from the sha256" in logged[-1]
+
+    shipped = next(f for f in (artifacts.SHIPPED / "tune").glob("*.json") if "kvq_ao_profile" in f.read_text()[:40])
+    user_copy = tmp_path / "cache" / "tune" / shipped.name
+    old = json.loads(shipped.read_text())
+    old.pop("sha256")
+    user_copy.write_text(json.dumps({**old, "kvq_ao_profile": 1}))  # as an older kvq_ao left it
+    monkeypatch.setattr("kvq_ao.calibration.model_key", lambda _m: shipped.name.split("-r128-")[0])
+    assert default_profile_path(model, base_config(), torch.zeros(2, 512, dtype=torch.int64), logged.append) == user_copy
+    assert "older kvq_ao" in logged[-1] and user_copy.read_bytes() == shipped.read_bytes()
+    LayerProfile.load(user_copy)

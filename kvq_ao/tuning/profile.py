@@ -5,12 +5,14 @@ layer quantized (through the real cache and the kvq attention ops), and two sign
 * the relative attention-output error ||o_q - o|| / ||o|| of that layer (KVTuner's signal;
   layers before it are untouched, so its inputs are exactly the fp ones);
 * the KL divergence of the next-token distribution from the fp model's (the end-to-end cost).
-A profile is saved as JSON with the model's identity and the base config, and reused.
+A profile is saved as JSON with the model's identity, the base config and the sha256 of its
+content, and reused: it is measured, never hand-written, so any edit is refused as damage.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from kvq_ao.config import CODEBOOK_BITS, FP, KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.files import atomic_write
 from kvq_ao.tuning.pareto import CANDIDATES, Pair, check_pair
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the content's sha256 is recorded and checked
 
 
 TUNE_DTYPES = ("int", "nf", "kvquant")
@@ -123,7 +125,7 @@ class LayerProfile:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = dict(kvq_ao_profile=PROFILE_VERSION, model=self.model, base=self.base, candidates=[list(p) for p in self.candidates],
                     attn_error=self.attn_error.tolist(), kl=self.kl.tolist(), tokens=self.tokens, meta=self.meta)  # fmt: skip
-        atomic_write(path, json.dumps(data) + "\n")
+        atomic_write(path, json.dumps(dict(data, sha256=_content_sha256(data))) + "\n")
         return path
 
     @classmethod
@@ -132,7 +134,10 @@ class LayerProfile:
         try:
             d = json.loads(path.read_text())
             if not isinstance(d, dict) or d.get("kvq_ao_profile") != PROFILE_VERSION:
-                raise ValueError("not a kvq_ao layer profile (version 1)")
+                raise ValueError(f"not a kvq_ao layer profile of version {PROFILE_VERSION} (an older kvq_ao's: delete it "
+                                 "to profile again)")  # fmt: skip
+            if d.pop("sha256", None) != _content_sha256(d):
+                raise ValueError("its content differs from the sha256 recorded when it was saved (damaged or edited)")
             cands = [tuple(p) for p in d["candidates"]]
             attn, kl = np.asarray(d["attn_error"], dtype=np.float64), np.asarray(d["kl"], dtype=np.float64)
             if attn.shape != (d["model"]["num_layers"], len(cands)) or kl.shape != attn.shape:
@@ -149,6 +154,12 @@ class LayerProfile:
             raise ValueError(f"this profile was made for {self.model['name']} ({self.model['num_layers']} layers, "
                              f"{self.model['kv_heads']} KV heads, head_dim {self.model['head_dim']}), not for "
                              f"{model_key(model)}; profile this model (kvq tune without --profile)")  # fmt: skip
+
+
+def _content_sha256(data: dict) -> str:
+    """sha256 of a profile's JSON content in a canonical form (keys sorted; floats as JSON writes
+    them, which read back exactly)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def _model_identity(model) -> dict:

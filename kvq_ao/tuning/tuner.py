@@ -28,10 +28,12 @@ from kvq_ao.tuning.calibrated import WidthCalibrations
 from kvq_ao.tuning.profile import LayerProfile, assignment_config, base_config, kl_to, layer_spec, profile, run_with
 from kvq_ao.tuning.search import SearchResult, predicted_front, search
 
-def default_profile_path(model, base: KVQuantConfig, ids: torch.Tensor) -> Path:
+def default_profile_path(model, base: KVQuantConfig, ids: torch.Tensor, log=print) -> Path:
     """Where `tune` keeps `model`'s layer profile for this base config and calibration size, in the
     user cache; seeded from a shipped profile of the same name when kvq_ao has one (profiling
-    SmolLM2 takes ~8 minutes on 2 cores, the search from a profile ~1.5; `kvq_ao.artifacts`)."""
+    SmolLM2 takes ~8 minutes on 2 cores, the search from a profile ~1.5; `kvq_ao.artifacts`). A
+    cached profile that does not load (damaged, or written by an older kvq_ao) is removed, with
+    the reason logged, so it is seeded or profiled again like a missing one."""
     from kvq_ao.calibration import model_key
     from kvq_ao.models import cache_dir
 
@@ -41,7 +43,14 @@ def default_profile_path(model, base: KVQuantConfig, ids: torch.Tensor) -> Path:
     if base.needs_calibration:  # the whole layout (outliers, ranges, sink...) decides what gets profiled
         variant += "-" + hashlib.sha256(base.to_json_key().encode()).hexdigest()[:8]
     name = f"{model_key(model)}-r{base.residual_length}-g{key.group_size}{variant}-{ids.shape[0]}x{ids.shape[1]}.json"
-    return artifacts.seed(cache_dir() / "tune" / name)
+    path = cache_dir() / "tune" / name
+    if path.exists():
+        try:
+            LayerProfile.load(path)
+        except ValueError as e:
+            log(f"kvq_ao: the cached layer profile cannot be used ({e}); replacing it")
+            path.unlink()
+    return artifacts.seed(path)
 
 
 @dataclass
