@@ -27,6 +27,7 @@ def test_short_soak_keeps_bytes_memory_and_agreement(kind, stream):
     # kivi-4's 128-token window: from step 160 on, blocks of 32 leave it and are quantized
     row = soak.soak_kind(kind, "kivi-4", ids, fp, check_every=64, threads=2, log=lambda *a: None, warmup=64)
     assert [c["step"] for c in row["checks"]] == [64, 128, 192, 193]
+    assert row["quantized_from_step"] == 128 + 32 - 1  # the 160th token pushes the first block out of the window
     assert row["all_bytes_equal"], [c["mismatched"] for c in row["checks"]]
     assert row["checks"][-1]["cache_mib"] > 0
     assert row["rss_always_within_bound"], [(c.get("rss_grown_mib"), c.get("cache_grown_mib")) for c in row["checks"]]
