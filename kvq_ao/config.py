@@ -164,7 +164,7 @@ class QuantSpec:
             return
         if self.max_outliers is not None and self.max_outliers > head_dim:
             raise ValueError(f"max_outliers {self.max_outliers} exceeds head_dim {head_dim}")
-        self.outlier_slots(head_dim)  # outliers' uint8 channel indices need head_dim < 255
+        self.outlier_slots(head_dim)  # outliers' uint8 channel indices need head_dim <= 256
         if self.axis == "token" and head_dim % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide head_dim {head_dim}")
         per_word = 8 if self.bits == 3 else max(1, 8 // self.bits)

@@ -7,6 +7,10 @@ this module, so its fields, their order and the meaning of its numbers are writt
 * `OPERAND_TENSORS`: the tensors of one operand, in the order the ops' `Tensor?[]` argument
   lists them. Absent ones are None: scale/zero for a float body, the codebook for uniform
   levels, out_val/out_idx without outliers.
+* out_val/out_idx [..., k]: k exact entries of each vector and their channels (uint8). Every slot
+  holds an entry: the outliers first, most extreme first, and slots a vector's outliers leave free
+  hold its lowest-numbered other channels (exact values there cost nothing extra and lose
+  nothing). So no index is reserved to mean "empty", and channels 0-255 are all addressable.
 * `OPERAND_INTS`: its format numbers, in the order of the ops' `int[]` argument.
 
 The ops' schemas (`kvq_ao.ops`) are built from these names; the C++ kernels get the field
@@ -42,8 +46,7 @@ CODEBOOK_BITS = (2, 3, 4)  # the widths a codebook (non-uniform levels) may have
 # .onnx) records it, and the runners refuse a program of another version (its buffers would be
 # read with another layout). Bump it with any change to what an operand's bytes mean.
 FORMAT_VERSION = 1
-EMPTY_SLOT = 255  # the channel index of an unused outlier slot: uint8, matches no channel
-MAX_OUTLIER_HEAD_DIM = EMPTY_SLOT - 1  # outlier channel indices must stay below EMPTY_SLOT
+MAX_OUTLIER_HEAD_DIM = 256  # outlier channel indices are uint8 (every slot holds a channel: none is reserved)
 
 
 def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False) -> tuple[int, int, int]:
@@ -174,7 +177,6 @@ def c_header() -> str:
         f"constexpr int64_t kFloatBits = {FLOAT_BITS};",
         f"constexpr int64_t kOneRow = {ONE_ROW};",
         f"constexpr int kMaxOutlierHeadDim = {MAX_OUTLIER_HEAD_DIM};",
-        f"constexpr uint8_t kEmptySlot = {EMPTY_SLOT};",
         "// The planar packing (kvq_ao.quant.packing): codes per word and bytes per word of each width.",
         "constexpr int codes_per_word(int64_t bits) { switch (bits) { "
         + " ".join(f"case {b}: return {word_layout(b)[0]};" for b in PACKED_BITS) + " default: return 0; } }",
@@ -191,6 +193,6 @@ def c_header() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "EMPTY_SLOT", "FLOAT_BITS", "FORMAT_VERSION", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
+__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "FLOAT_BITS", "FORMAT_VERSION", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
            "Operand", "PACKED_BITS", "c_header", "check_format", "encode", "format_ints", "format_of", "is_float", "is_one_row", "midpoints", "tokens_per_group",
            "word_layout"]  # fmt: skip

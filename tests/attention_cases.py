@@ -83,7 +83,6 @@ def operand(x, side, bits, axis, group, codebook=False, outliers=0, dtype=torch.
     if bits:
         cb = nf_codebook(bits) if codebook and bits <= 4 else None
         h, d = x.shape[1], x.shape[-1]
-        outliers = outliers if d < 255 else 0  # uint8 channel indices: refused at 256 (tested elsewhere)
         lo, hi = (-1.5 * torch.ones(h, d), 1.5 * torch.ones(h, d)) if outliers else (torch.zeros(0), torch.zeros(0))
         if fixed:
             codes, scale, zero, out_val, out_idx, fields["group"] = _fixed_ranges(x, bits, cb, outliers)

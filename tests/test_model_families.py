@@ -165,9 +165,12 @@ def test_gemma3_with_8bit_pre_rope_keys_stores_each_layers_keys_before_its_own_r
         assert (stored - want).abs().max() < 0.02 * want.abs().max(), n
 
 
-def test_gemma3_takes_calibrated_pre_rope_keys_through_kvq_calibrate(tmp_path):
+@pytest.mark.parametrize("preset", ["kvquant-3", "kvquant-3-1pct"])
+def test_gemma3_takes_calibrated_pre_rope_keys_through_kvq_calibrate(tmp_path, preset):
     """KVQuant's datatypes on Gemma-3: `kvq calibrate` fits pre-RoPE codebooks for a saved Gemma-3
-    (local and global layers unrotated with their own frequencies), and the preset generates."""
+    (local and global layers unrotated with their own frequencies), and the preset generates; with
+    outliers at head_dim 256 (uint8 slot indices reach channel 255) each stored key vector keeps
+    ceil(1% of 256) = 3 exact entries."""
     from transformers import AutoTokenizer
 
     from kvq_ao.calibration import Calibration
@@ -178,23 +181,54 @@ def test_gemma3_takes_calibrated_pre_rope_keys_through_kvq_calibrate(tmp_path):
     folder, out = tmp_path / "gemma3", tmp_path / "calib.json"
     tiny_gemma(3, vocab_size=len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    assert main(["calibrate", "--model", str(folder), "--preset", "kvquant-3", "--out", str(out), "--samples", "2",
+    assert main(["calibrate", "--model", str(folder), "--preset", preset, "--out", str(out), "--samples", "2",
                  "--seq-len", "64"]) == 0  # fmt: skip
     calib = Calibration.load(out)
     assert all(calib.layer(i)[0].codebook is not None and calib.layer(i)[0].lo is not None for i in range(4))  # keys: levels, ranges
     import dataclasses
 
     model = tiny_gemma(3, vocab_size=len(tokenizer))
-    quantize_kv_(model, dataclasses.replace(KVQuantConfig.preset("kvquant-3"), calibration=str(out)))
+    quantize_kv_(model, dataclasses.replace(KVQuantConfig.preset(preset), calibration=str(out)))
     ids = torch.randint(3, 1000, (1, 24), generator=torch.Generator().manual_seed(2))
-    seq = _generate(model, ids, max_new_tokens=6)
-    assert seq.shape == (1, 30)
+    out = _generate(model, ids, max_new_tokens=6, return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 30)
+    if preset.endswith("-1pct"):
+        for layer in out.cache.layers:
+            keys = layer.keys_values()[0]
+            assert keys.out_idx.shape[-1] == 3 and keys.out_idx.dtype == torch.uint8
 
 
-def test_gemma_head_dim_256_with_outliers_is_refused_clearly():
-    """Outlier slots index channels with uint8, so head_dim 256 cannot carry them (yet)."""
-    with pytest.raises(ValueError, match="head_dim < 255"):
-        quantize_kv_(tiny_gemma(2), KVQuantConfig.preset("kvquant-4-1pct"))
+def test_gemma3_takes_every_preset_after_one_kvq_calibrate(tmp_path, monkeypatch):
+    """Every preset family on a Gemma-3 (local and global RoPE, head_dim 256, MQA): one `kvq calibrate`
+    of a saved model fits every calibrated preset (pre-RoPE keys, outliers, rotations) into the user
+    cache, each preset then quantizes the model from it and generates, and the 8-bit preset's greedy
+    tokens equal the fp cache's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvq_ao import calibration
+    from kvq_ao.cli import main
+    from kvq_ao.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))  # before the user cache moves
+    monkeypatch.setenv("KVQ_AO_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "gemma3"
+    tiny_gemma(3, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert main(["calibrate", "--model", str(folder), "--samples", "2", "--seq-len", "64"]) == 0
+
+    def no_second_calibration(*_a, **_k):
+        raise AssertionError("a preset was calibrated again instead of using `kvq calibrate`'s file")
+
+    monkeypatch.setattr(calibration, "calibrate", no_second_calibration)
+    ids = torch.randint(3, 1000, (1, 24), generator=torch.Generator().manual_seed(2))
+    fp = _generate(AutoModelForCausalLM.from_pretrained(folder).eval(), ids, max_new_tokens=8)
+    for preset in KVQuantConfig.preset_names():
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        quantize_kv_(model, KVQuantConfig.preset(preset))
+        seq = _generate(model, ids, max_new_tokens=8)
+        assert seq.shape == (1, 32), preset
+        if preset in ("fp", "int8"):
+            assert torch.equal(seq, fp), preset
 
 
 LLAMA_LIKE = ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma"]

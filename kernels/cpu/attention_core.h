@@ -969,7 +969,7 @@ inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim
               out_val.size(2) == T && out_val.size(3) <= dim,
           name, " outliers must be [", B, ", ", H, ", ", T, ", k] float values and uint8 indices, got ", out_val.shape(), " and ",
           out_idx.shape(), " ", dtype_name(out_idx.dtype));
-    check(dim <= kMaxOutlierHeadDim, "outlier slots need head_dim <= ", kMaxOutlierHeadDim, " (uint8 channel indices, 255 = empty), got ", dim);
+    check(dim <= kMaxOutlierHeadDim, "outlier slots need head_dim <= ", kMaxOutlierHeadDim, " (uint8 channel indices), got ", dim);
     o.n_out = static_cast<int>(out_val.size(3));
     o.out_val_p = out_val.bytes();
     o.out_val_t = out_val.dtype;

@@ -21,7 +21,6 @@
 
 namespace kvq_core {
 
-using kvq_format::kEmptySlot;  // the index of an unused outlier slot (kvq_ao/format.py)
 constexpr int kMaxDim = 256;
 
 inline int packed_bytes(int64_t dim, int64_t bits) { return static_cast<int>(kvq_format::packed_row_bytes(dim, bits)); }
@@ -81,14 +80,13 @@ int64_t quantize_rows(const T* x, int64_t rows, int64_t tokens, int64_t heads, i
           outside += slots > 0 ? (excess[c] > 0.0f) : (v < l[c] || v > u[c]);
         }
         int kept = 0;
-        for (int j = 0; j < slots; ++j) {
-          int best = 0;
+        for (int j = 0; j < slots; ++j) {  // every slot holds an exact entry (kvq_ao/format.py): free ones
+          int best = 0;                    // take the lowest other channels, whose excess is 0
           for (int c = 1; c < dim; ++c)
             if (excess[c] > excess[best]) best = c;  // strict: the lower channel wins a tie
-          const bool keep = excess[best] > 0.0f;
-          out_val[r * slots + j] = keep ? xr[best] : T(0);
-          out_idx[r * slots + j] = keep ? static_cast<uint8_t>(best) : kEmptySlot;
-          kept += keep;
+          kept += excess[best] > 0.0f;
+          out_val[r * slots + j] = xr[best];
+          out_idx[r * slots + j] = static_cast<uint8_t>(best);
           excess[best] = -1.0f;
         }
         mine += outside - kept;

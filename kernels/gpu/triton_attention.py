@@ -26,7 +26,6 @@ from kvq_ao.kernels.gpu.triton_blocks import _block_values, _levels
 # The format constants the kernels compare against, from their one definition (kvq_ao.format);
 # tl.constexpr, since a jit function may read only constexpr globals on a GPU.
 AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
-EMPTY_SLOT = tl.constexpr(fmt.EMPTY_SLOT)
 
 
 # Triton's standard library (tl.sum, tl.max, tl.zeros, tl.cdiv) is itself jit functions, which the

@@ -19,7 +19,6 @@ from kvq_ao import format as fmt
 FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
 AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
 ONE_ROW = tl.constexpr(fmt.ONE_ROW)
-EMPTY_SLOT = tl.constexpr(fmt.EMPTY_SLOT)
 
 
 def supported(head_dim: int, k, v) -> bool:
@@ -114,7 +113,7 @@ def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T
             z = tl.load(zero + meta, mask=(start < T)[:, None], other=0.0).to(tl.float32)
             x = tl.reshape(tl.reshape(level, [NT, BT // NT, D]) * s[:, None, :] + z[:, None, :], [BT, D])
     for j in tl.static_range(N_OUT):  # exact outliers replace their channel
-        idx = tl.load(out_idx + tok * N_OUT + j, mask=ok_t, other=EMPTY_SLOT).to(tl.int32)
+        idx = tl.load(out_idx + tok * N_OUT + j, mask=ok_t, other=D).to(tl.int32)  # D: no channel
         val = tl.load(out_val + tok * N_OUT + j, mask=ok_t, other=0.0).to(tl.float32)
         x = tl.where(ch[None, :] == idx[:, None], val[:, None], x)
     return x

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvq_ao.kernels.gpu.triton_attention import AXIS_TOKEN, EMPTY_SLOT, _max, _min, _sum
+from kvq_ao.kernels.gpu.triton_attention import AXIS_TOKEN, _max, _min, _sum
 
 # 1.5 * 2**23: (x + M) - M rounds a float32 0 <= x < 2**22 half to even. A constexpr: compiled Triton
 # refuses plain module globals inside @jit (its interpreter does not, which is how this once shipped).
@@ -113,10 +113,10 @@ def _quantize(
                 best = _max(excess, 1)
                 idx = _min(tl.where(excess == best[:, None], d[None, :], D), 1)
                 pick = d[None, :] == idx[:, None]
-                kept = (best > 0) & ok
+                kept = (best > 0) & ok  # an outlier; a free slot takes the lowest other channel, exact
                 val = _sum(tl.where(pick, x_raw.to(tl.float32), 0.0), 1)
-                tl.store(out_val + r * K + j, tl.where(kept, val, 0.0).to(out_val.dtype.element_ty), mask=ok)
-                tl.store(out_idx + r * K + j, tl.where(kept, idx, EMPTY_SLOT).to(tl.uint8), mask=ok)
+                tl.store(out_val + r * K + j, val.to(out_val.dtype.element_ty), mask=ok)
+                tl.store(out_idx + r * K + j, idx.to(tl.uint8), mask=ok)
                 n_kept += kept.to(tl.int32)
                 excess = tl.where(pick, -1.0, excess)
             tl.store(clamped + pid, _sum(n_out - n_kept, 0).to(tl.int64))

@@ -25,37 +25,41 @@ import math
 
 import torch
 
-from kvq_ao.format import EMPTY_SLOT  # noqa: E402  (index of an unused outlier slot: matches no channel)
+from kvq_ao.format import MAX_OUTLIER_HEAD_DIM
 
 
 def outlier_slots(fraction: float, head_dim: int) -> int:
     """Outlier entries kept per vector: ceil(fraction * head_dim), 0 when fraction is 0."""
     if fraction <= 0:
         return 0
-    if head_dim >= EMPTY_SLOT:
-        raise ValueError(f"outliers need head_dim < {EMPTY_SLOT} (uint8 channel indices), got {head_dim}")
+    if head_dim > MAX_OUTLIER_HEAD_DIM:
+        raise ValueError(f"outliers need head_dim <= {MAX_OUTLIER_HEAD_DIM} (uint8 channel indices), got {head_dim}")
     return min(head_dim, math.ceil(fraction * head_dim - 1e-9))
 
 
 def split_outliers(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int):
     """x [B, H, T, D], channel ranges lo/hi [H, D] -> (dense, values, indices, clamped).
 
-    dense: x clamped into [lo, hi]; values/indices [B, H, T, k]: the kept outliers (value and
-    channel; unused slots have index EMPTY_SLOT and value 0); clamped: int64 count of outlier
-    entries that did not fit in their vector's k slots.
+    dense: x clamped into [lo, hi]; values/indices [B, H, T, k]: k exact entries per vector (value
+    and channel), its outliers by decreasing excess, then (slots its outliers leave free) its
+    lowest-numbered other channels, as every kernel picks them (the largest excess, the lower
+    channel on a tie); clamped: int64 count of outlier entries that did not fit in their vector's k
+    slots.
     """
     lo4, hi4 = lo.float()[None, :, None, :], hi.float()[None, :, None, :]
     xf = x.float()
     width = torch.clamp(hi4 - lo4, min=torch.finfo(torch.float32).tiny)
     excess = (torch.relu(xf - hi4) + torch.relu(lo4 - xf)) / width
     dense = torch.minimum(torch.maximum(xf, lo4), hi4)
-    is_outlier = excess > 0
-    top, idx = excess.topk(k, dim=-1)
-    kept = top > 0
-    values = torch.where(kept, x.gather(-1, idx), torch.zeros_like(top, dtype=x.dtype))
-    indices = torch.where(kept, idx, torch.full_like(idx, EMPTY_SLOT)).to(torch.uint8)
-    clamped = is_outlier.sum() - kept.sum()
-    return dense, values, indices, clamped
+    n_outliers = (excess > 0).sum(-1)
+    picks, left = [], excess
+    for _ in range(k):  # max returns the first (lowest) channel among equal values, as the kernels do
+        pick = left.argmax(-1, keepdim=True)
+        picks.append(pick)
+        left = left.scatter(-1, pick, -1.0)
+    idx = torch.cat(picks, -1) if picks else excess.new_zeros((*excess.shape[:-1], 0), dtype=torch.int64)
+    clamped = (n_outliers - k).clamp(min=0).sum()
+    return dense, x.gather(-1, idx), idx.to(torch.uint8), clamped
 
 
 def apply_outliers(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -97,4 +101,4 @@ def split_vector_outliers(x: torch.Tensor, k: int, group: int):
     return dense, x.gather(-1, idx), idx.to(torch.uint8), is_outlier
 
 
-__all__ = ["apply_outliers", "outlier_slots", "split_outliers", "split_vector_outliers", "EMPTY_SLOT"]
+__all__ = ["apply_outliers", "outlier_slots", "split_outliers", "split_vector_outliers"]

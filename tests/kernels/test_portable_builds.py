@@ -156,7 +156,7 @@ def _quantize_cases(n: int) -> list[tuple]:
         lo, hi = -1.5 - torch.rand(3, d, generator=g), 1.0 + torch.rand(3, d, generator=g)
         cb = nf_codebook(bits) if seed % 3 == 1 and bits <= 4 else torch.zeros(0)
         zero, scale = fixed_range(lo, hi, 1 if cb.numel() else 2**bits - 1, [torch.float16, torch.bfloat16][seed % 2])
-        cases.append((x, bits, zero, scale, cb, lo, hi, slots if d < 255 else 0))
+        cases.append((x, bits, zero, scale, cb, lo, hi, slots))
     return cases
 
 

@@ -12,7 +12,7 @@ from conftest import kvquant_config, tiny_llama
 from kvq_ao import KVQuantConfig, QuantSpec, make_cache, quantize_kv_
 from kvq_ao.calibration import Calibration, calibrate, for_model, qnorm, weighted_kmeans_1d
 from kvq_ao.quant.codebook import dequantize_codebook, nf_codebook, quantize_codebook
-from kvq_ao.quant.outliers import EMPTY_SLOT, apply_outliers, split_outliers, split_vector_outliers
+from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import rotate, unrotate
 from kvq_ao.quant.uniform import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, fixed_range
 
@@ -140,28 +140,55 @@ def test_qnorm_matches_mean_and_std():
 
 
 # ----------------------------------------------------------------------------- outliers
+def _expected_slots(x: torch.Tensor, k: int) -> list[int]:
+    """One vector's slot channels by the format's rule, in plain Python: its entries outside [-1, 1]
+    by decreasing excess (the lower channel on a tie), then its lowest-numbered other channels."""
+    row = x.tolist()
+    excess = [max(v - 1, 0) + max(-1 - v, 0) for v in row]
+    outliers = sorted((c for c in range(len(row)) if excess[c] > 0), key=lambda c: (-excess[c], c))
+    others = [c for c in range(len(row)) if excess[c] == 0]
+    return (outliers + others)[:k]
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 4), heads=st.integers(1, 3), tokens=st.integers(1, 9),
-       d=st.sampled_from([8, 64]), spread=st.floats(0.5, 4.0))  # fmt: skip
+       d=st.sampled_from([8, 64, 256]), spread=st.floats(0.5, 4.0))  # fmt: skip
 def test_outlier_split_keeps_selected_entries_exactly_and_clamps_the_rest(seed, k, heads, tokens, d, spread):
+    """Every slot holds an exact entry (no index is reserved for "empty", so head_dim 256 is
+    addressable): a vector's outliers first, most extreme first, then its lowest other channels;
+    outliers that did not fit are clamped and counted."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, heads, tokens, d, generator=g) * spread
     lo, hi = -torch.ones(heads, d), torch.ones(heads, d)
     dense, values, indices, clamped = split_outliers(x, lo, hi, k)
     outside = (x < -1) | (x > 1)
-    kept = indices != EMPTY_SLOT
-    assert kept.sum(-1).le(k).all()
-    # every kept slot holds the exact entry of the channel it names
-    assert torch.equal(values[kept], x.gather(-1, indices.long().clamp(max=d - 1))[kept])
-    # a vector keeps min(k, its outliers) entries; the rest were clamped and counted
-    assert torch.equal(kept.sum(-1), outside.sum(-1).clamp(max=k))
-    assert int(clamped) == int(outside.sum() - kept.sum())
+    assert indices.dtype == torch.uint8 and indices.shape == (*x.shape[:-1], k)
+    flat_x, flat_idx = x.reshape(-1, d), indices.reshape(-1, k).long()
+    for row, idx in zip(flat_x, flat_idx):
+        assert idx.tolist() == _expected_slots(row, k)
+    assert torch.equal(values, x.gather(-1, indices.long()))  # every slot exact
+    assert int(clamped) == int((outside.sum(-1) - k).clamp(min=0).sum())
     assert dense.min() >= -1 and dense.max() <= 1
     restored = apply_outliers(dense, values, indices)
     kept_entry = torch.zeros_like(outside)
     for j in range(k):
         kept_entry |= torch.arange(d) == indices[..., j : j + 1].long()
     assert torch.equal(restored, torch.where(kept_entry, x, x.clamp(-1, 1)))  # kept exact, others clamped
+
+
+def test_outlier_slots_reach_channel_255_and_refuse_wider_heads():
+    """uint8 indices address channels 0-255: a head_dim-256 vector's outlier in its last channel
+    comes back exact; head_dim 257 is refused by name."""
+    from kvq_ao.quant.outliers import outlier_slots
+
+    x = torch.zeros(1, 1, 1, 256)
+    x[..., 255] = 9.0
+    dense, values, indices, clamped = split_outliers(x, -torch.ones(1, 256), torch.ones(1, 256), 3)
+    assert indices[0, 0, 0].tolist() == [255, 0, 1] and int(clamped) == 0
+    assert apply_outliers(dense, values, indices)[..., 255].item() == 9.0
+    assert outlier_slots(0.01, 256) == 3
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        outlier_slots(0.01, 257)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -206,7 +233,9 @@ def test_fixed_range_quantization_against_float64(seed, bits, codebook, slots):
     exact = torch.zeros_like(outside)
     for j in range(slots):
         exact |= torch.arange(64) == out_idx[..., j : j + 1].long()
-    assert torch.equal(exact, exact & outside)  # only entries outside their range take a slot
+    # every slot holds an entry (distinct channels): the vector's outliers first, as many as fit
+    assert torch.equal(exact.sum(-1), torch.full_like(exact.sum(-1), slots))
+    assert torch.equal((exact & outside).sum(-1), outside.sum(-1).clamp(max=slots))
     assert torch.equal(y[exact], x.double()[exact])
     err = (y - dense).abs()[~exact]
     rounding = 2.0**-22 * (z.abs() + dense.abs())  # float32 (dense - zero) / scale: a few ulps of the operands
