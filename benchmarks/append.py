@@ -4,7 +4,11 @@ A cache of SmolLM2's shape (30 layers, 3 KV heads, head_dim 64, float32) starts 
 tokens, then appends one token per layer per step, `--steps` steps (block completions included,
 so the per-block work is amortized as in decoding). Each round times the same appends with the
 check on and off (`refuse_non_finite` replaced by a pass-through), alternating which goes first;
-the table gives the median over rounds of (on - off) / off.
+the table gives the median over rounds of (on - off) / off. On this shared VM that difference
+of two ~equal timings moves by a few percent between runs, so the check is also timed directly:
+with the check on, the time spent inside `refuse_non_finite` (a perf_counter pair around each
+call, ~0.1 us) over the whole step time; the median of that share over rounds is the `in-check`
+column, the figure the issue's budget is judged by.
 
 Paths: the eager dynamic cache (every decode step outside torch.compile) and the eager static
 cache (generate's `cache_implementation="static"` without compiling). Compiled and exported code
@@ -54,12 +58,22 @@ def _cache(preset: str, static_len: int | None):
     return QuantizedKVCache(KVQuantConfig.preset(preset), LAYERS, max_cache_len=static_len, calibration=calibration, rope=rope)
 
 
-def _timed(path: str, preset: str, prefill: int, steps: int, check: bool) -> float:
-    """Seconds per step (all layers) of `steps` one-token appends after a prefill."""
+def _timed(path: str, preset: str, prefill: int, steps: int, check: bool) -> tuple[float, float]:
+    """(seconds per step (all layers) of `steps` one-token appends after a prefill, seconds per
+    step spent inside the check)."""
     import kvq_ao.cache as cache_module
     from kvq_ao.finite import refuse_non_finite
 
-    cache_module.refuse_non_finite = refuse_non_finite if check else (lambda blocks, first, layer: None)
+    in_check = [0.0]
+
+    def timed_check(blocks, first, layer):
+        t0 = time.perf_counter()
+        try:
+            refuse_non_finite(blocks, first, layer)
+        finally:
+            in_check[0] += time.perf_counter() - t0
+
+    cache_module.refuse_non_finite = timed_check if check else (lambda blocks, first, layer: None)
     try:
         cache = _cache(preset, None if path == "eager-dynamic" else prefill + steps + 1)
         g = torch.Generator().manual_seed(0)
@@ -77,10 +91,11 @@ def _timed(path: str, preset: str, prefill: int, steps: int, check: bool) -> flo
         with torch.no_grad():
             for k, v in tokens[:8]:  # warm-up
                 step(k, v)
+            in_check[0] = 0.0
             start = time.perf_counter()
             for k, v in tokens[8:]:
                 step(k, v)
-        return (time.perf_counter() - start) / (steps - 8)
+        return (time.perf_counter() - start) / (steps - 8), in_check[0] / (steps - 8)
     finally:
         cache_module.refuse_non_finite = refuse_non_finite
 
@@ -99,21 +114,27 @@ def main(argv=None) -> int:
     rows = []
     for path in args.paths.split(","):
         for preset in args.presets.split(","):
-            on, off = [], []
+            on, off, share = [], [], []
             for r in range(args.rounds):
                 order = (True, False) if r % 2 == 0 else (False, True)
                 for check in order:
-                    (on if check else off).append(_timed(path, preset, args.prefill, args.steps, check))
+                    seconds, in_check = _timed(path, preset, args.prefill, args.steps, check)
+                    (on if check else off).append(seconds)
+                    if check:
+                        share.append(in_check / seconds)
             cost = statistics.median((a - b) / b for a, b in zip(on, off)) * 100
             rows.append(dict(path=path, preset=preset, check_on_us=round(statistics.median(on) * 1e6, 1),
-                             check_off_us=round(statistics.median(off) * 1e6, 1), cost_pct=round(cost, 2)))  # fmt: skip
+                             check_off_us=round(statistics.median(off) * 1e6, 1), cost_pct=round(cost, 2),
+                             in_check_pct=round(statistics.median(share) * 100, 2)))  # fmt: skip
             print(f"{path:16} {preset:15} on {rows[-1]['check_on_us']:8.1f} us  off {rows[-1]['check_off_us']:8.1f} us  "
-                  f"cost {cost:+.2f}%", flush=True)  # fmt: skip
+                  f"cost {cost:+.2f}%  in-check {rows[-1]['in_check_pct']:.2f}%", flush=True)  # fmt: skip
     out = save_json(args.out, stamp(layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, prefill=args.prefill, steps=args.steps,
                                     rounds=args.rounds, threads=args.threads, rows=rows))  # fmt: skip
-    print("\n| path | preset | append, check on (us/step, 30 layers) | check off | cost |\n|---|---|---:|---:|---:|")
+    print("\n| path | preset | append, check on (us/step, 30 layers) | check off | on - off | in-check |\n"
+          "|---|---|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
-        print(f"| {r['path']} | {r['preset']} | {r['check_on_us']} | {r['check_off_us']} | {r['cost_pct']:+.2f}% |")
+        print(f"| {r['path']} | {r['preset']} | {r['check_on_us']} | {r['check_off_us']} | {r['cost_pct']:+.2f}% | "
+              f"{r['in_check_pct']:.2f}% |")  # fmt: skip
     print(f"\nwrote {out}")
     return 0
 
