@@ -11,7 +11,8 @@ evaluated on the development text of `dev_text.py`, never the evaluation text):
 * the same without the value rotation (the control that says what the rotation buys);
 * "rot tokens": keys and values both rotated, post-RoPE, per-vector groups, nuq levels;
 * (round 2) values rotated and coded against calibrated per-channel ranges, no per-vector metadata,
-  with KVQuant's keys ("rot cal values") or (round 3) with rotated per-vector keys.
+  with KVQuant's keys ("rot cal values") or (round 3) with rotated per-vector keys;
+* (round 4, 3.5 bits) 4-bit keys of either kind with 2-bit calibrated rotated values.
 
 Every layout keeps one float16 sink token and a float16 full-precision window: the largest (a
 multiple of 16 tokens, at most 128) that keeps the layout within its budget at 4096 tokens (bits
@@ -47,6 +48,11 @@ CANDIDATES[2.5] += [("kvq keys + rot cal values", 2, 2), ("kvq keys, no outliers
 CANDIDATES[4.5] += [("rot keys + rot cal values", 4, 4), ("rot keys + rot cal values", 4, 3)]
 CANDIDATES[3.5] += [("rot keys + rot cal values", 3, 3), ("rot keys + rot cal values", 3, 2)]
 CANDIDATES[2.5] += [("rot keys + rot cal values", 2, 2)]
+# Round 4 (after issue 47's passkey diagnosis, docs/rotation.md: 3-bit keys lose the needles, 2-bit
+# rotated values keep them): 4-bit keys with 2-bit calibrated rotated values, whose free metadata pays
+# for the fourth key bit within 3.5 bits (same rule)
+CANDIDATES[3.5] += [("rot keys + rot cal values", 4, 2), ("kvq keys + rot cal values", 4, 2),
+                    ("kvq keys, no outliers + rot cal values", 4, 2)]
 WINDOWS = range(128, -1, -16)
 
 
