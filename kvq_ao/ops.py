@@ -48,13 +48,13 @@ def quantize(
     keeps that many outliers per vector exact, judged by the channel ranges lo/hi [H, D], or,
     when lo and hi are empty, per vector (its entries furthest from its mean; per-token axis only).
     """
-    _check_quantize(x, format, codebook, lo, hi, n_outliers)
+    _check_quantize(x, format, codebook, lo, hi, n_outliers, scale_dtype)
     return reference.quantize(x, format, scale_dtype, codebook, lo, hi, n_outliers)
 
 
 @quantize.register_fake
 def _(x, format, scale_dtype, codebook, lo, hi, n_outliers):
-    bits, axis, group = _check_quantize(x, format, codebook, lo, hi, n_outliers)
+    bits, axis, group = _check_quantize(x, format, codebook, lo, hi, n_outliers, scale_dtype)
     codes, scale = _meta_shapes(x.shape, bits, axis, group)
     sparse = [*x.shape[:-1], n_outliers]
     return (
@@ -67,8 +67,13 @@ def _(x, format, scale_dtype, codebook, lo, hi, n_outliers):
     )
 
 
-def _check_quantize(x, format, codebook, lo, hi, n_outliers) -> tuple[int, int, int]:
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kvq.quantize stores scales and zeros in
+
+
+def _check_quantize(x, format, codebook, lo, hi, n_outliers, scale_dtype=torch.float16) -> tuple[int, int, int]:
     """Validate kvq.quantize's arguments; returns the format's (bits, axis, group)."""
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"kvq: scale_dtype must be float16, bfloat16 or float32, got {scale_dtype}")
     bits, axis, group = fmt.format_of(format)
     _check_quantize_format(x, bits, axis, group, codebook, lo, hi, n_outliers)
     return bits, axis, group

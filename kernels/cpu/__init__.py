@@ -3,7 +3,9 @@
 `decode_attention.cpp` implements `kvq::decode_attention` for the CPU dispatch key: one query
 token attending straight from the packed cache, vectorized and parallel over token chunks with a
 split-softmax merge. `quantize_fixed.cpp` implements `kvq::quantize_fixed`, the one-token key append
-of calibrated key ranges, in one pass per vector (its reference is a dozen ATen ops per call). `load()` compiles it with torch's C++ extension tools (g++ and ninja,
+of calibrated key ranges, in one pass per vector (its reference is a dozen ATen ops per call);
+`quantize.cpp` implements `kvq::quantize`, the append of every other quantized format (ranges per
+group, codebooks, outliers by either rule), likewise. `load()` compiles it with torch's C++ extension tools (g++ and ninja,
 `-O3 -march=native`, OpenMP as ATen uses it) into the user cache, keyed by the sources, torch's
 version, the compiler flags and this CPU, so it is built once per machine (~30-60 s) and loaded
 in milliseconds afterwards. Once loaded, every CPU call of the op (eager, and compiled graphs,
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("decode_attention.cpp", "quantize_fixed.cpp")
+SOURCES = ("decode_attention.cpp", "quantize_fixed.cpp", "quantize.cpp")
 HEADERS = ("attention_core.h", "quantize_core.h")  # the arithmetic, free of ATen (shared with ExecuTorch and the portable runner)
 GENERATED_HEADER = "kvq_format.h"  # operand field indices and format constants, from kvq_ao/format.py
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")

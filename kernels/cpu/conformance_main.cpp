@@ -1,5 +1,5 @@
 // A standalone runner of the CPU kernels' arithmetic (attention_core.h: decode attention;
-// quantize_core.h: the one-token key append of calibrated ranges) for the conformance cases, with
+// quantize_core.h: the appends, kvq::quantize_fixed and kvq::quantize) for the conformance cases, with
 // neither ATen nor ExecuTorch: what lets the kernel's C++ be built for another CPU
 // (cross-compiled for aarch64 and run under qemu-user) or with another instruction set (the
 // generic vectors, no AVX) and checked against the reference on the same cases as the PyTorch
@@ -20,7 +20,12 @@
 //   quantize case := "KVQF" int32 version(1), tensor x (float32 [B, H, T, D]), int64 bits,
 //               tensor zero, tensor scale, tensor mids (codebook midpoints, float32; empty: uniform),
 //               tensor lo, tensor hi (float32 [H, D]), int64 n_outliers
-// OUT receives int64 clamped, then the codes, out_val (float32) and out_idx bytes as int64 size + data. Tasks run one after another
+// OUT receives int64 clamped, then the codes, out_val (float32) and out_idx bytes as int64 size + data.
+//   groups case (kvq::quantize) := "KVQG" int32 version(1), tensor x (float32 [B, H, T, D]), int64 bits,
+//               int64 axis, int64 group, int64 scale type (0 float16, 1 bfloat16, 2 float32), tensor mids,
+//               tensor lo, tensor hi (float32 [H, D], or empty: per-vector outliers), int64 n_outliers
+// OUT receives int64 clamped, then the codes, scale, zero (scale-dtype bytes), out_val (float32) and
+// out_idx bytes as int64 size + data. Tasks run one after another
 // in `tasks` calls of the kernel's parallel_for, so the split-softmax merge runs as it does with
 // threads. Exit status 0; a bad file or a kernel error prints the message and exits 1.
 
@@ -127,12 +132,49 @@ void run_quantize_case(Reader& r, const std::string& out_path) {
   if (!o) throw std::runtime_error(out_path + ": cannot write");
 }
 
+void run_groups_case(Reader& r, const std::string& out_path) {
+  const HostTensor x = r.required();
+  const int64_t bits = r.get<int64_t>(), axis = r.get<int64_t>(), group = r.get<int64_t>(), scale_type = r.get<int64_t>();
+  const HostTensor mids = r.required(), lo = r.required(), hi = r.required();
+  const int64_t slots = r.get<int64_t>();
+  if (x.dim() != 4 || x.size(3) > kvq_core::kMaxDim || !kvq_format::is_packed_bits(bits) || scale_type < 0 || scale_type > 2)
+    throw std::runtime_error(r.path + ": x must be [B, H, T, D <= 256] with packed bits and a scale type 0-2");
+  const int64_t heads = x.size(1), tokens = x.size(2), dim = x.size(3), slices = x.size(0) * heads, rows = slices * tokens;
+  const bool channel = axis == kvq_format::kAxisChannel;
+  const int64_t block = kvq_format::is_one_row(axis, group) ? tokens : group;
+  if (block <= 0 || (channel ? tokens % block : dim % group)) throw std::runtime_error(r.path + ": the groups do not tile x");
+  const int64_t metas = channel ? slices * (tokens / block) * dim : rows * (dim / group);
+  const size_t meta_bytes = static_cast<size_t>(metas) * (scale_type == 2 ? 4 : 2);
+  std::vector<uint8_t> codes(static_cast<size_t>(rows * kvq_core::packed_bytes(dim, bits))), scale(meta_bytes), zero(meta_bytes);
+  std::vector<float> out_val(static_cast<size_t>(rows * slots));
+  std::vector<uint8_t> out_idx(static_cast<size_t>(rows * slots));
+  const int64_t n_mids = mids.dim() ? mids.size(0) : 0;
+  const bool by_channel = lo.dim() && lo.size(0) > 0;
+  const int64_t clamped = kvq_core::quantize_groups<float>(
+      floats(x, "x", rows * dim), slices, tokens, heads, static_cast<int>(dim), static_cast<int>(bits), channel,
+      static_cast<int>(channel ? block : group), static_cast<kvq_core::ScaleType>(scale_type),
+      n_mids ? floats(mids, "mids", n_mids) : nullptr, static_cast<int>(n_mids), by_channel ? floats(lo, "lo", heads * dim) : nullptr,
+      by_channel ? floats(hi, "hi", heads * dim) : nullptr, static_cast<int>(slots), codes.data(), scale.data(), zero.data(),
+      out_val.data(), out_idx.data(), [](int64_t n, const auto& fn) {
+        for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
+      });
+  std::ofstream o(out_path, std::ios::binary);
+  o.write(reinterpret_cast<const char*>(&clamped), sizeof(clamped));
+  write_blob(o, codes.data(), static_cast<int64_t>(codes.size()));
+  write_blob(o, scale.data(), static_cast<int64_t>(scale.size()));
+  write_blob(o, zero.data(), static_cast<int64_t>(zero.size()));
+  write_blob(o, out_val.data(), static_cast<int64_t>(out_val.size() * sizeof(float)));
+  write_blob(o, out_idx.data(), static_cast<int64_t>(out_idx.size()));
+  if (!o) throw std::runtime_error(out_path + ": cannot write");
+}
+
 void run_case(const std::string& case_path, const std::string& out_path) {
   Reader r{std::ifstream(case_path, std::ios::binary), case_path};
   if (!r.in) throw std::runtime_error(case_path + ": cannot open");
   char magic[4];
   if (!r.in.read(magic, 4) || r.get<int32_t>() != 1) throw std::runtime_error(case_path + ": not a version-1 kvq case");
   if (std::string(magic, 4) == "KVQF") return run_quantize_case(r, out_path);
+  if (std::string(magic, 4) == "KVQG") return run_groups_case(r, out_path);
   if (std::string(magic, 4) != "KVQC") throw std::runtime_error(case_path + ": not a kvq conformance case");
   const HostTensor q = r.required();
   const auto k = r.tensors();

@@ -128,20 +128,56 @@ def write_quantize_case(x: torch.Tensor, bits: int, zero: torch.Tensor, scale: t
     path.write_bytes(b"".join(parts))
 
 
-def read_quantize_output(path: Path, x_shape, n_outliers: int) -> tuple:
-    """(codes, out_val, out_idx, clamped) as the op returns them, from the runner's output file."""
+def _read_blobs(path: Path, count: int) -> tuple[int, list[bytearray]]:
+    """An append output file: (int64 clamped, the `count` blobs that follow, each int64 size + data)."""
     data = path.read_bytes()
     (clamped,) = struct.unpack_from("<q", data)
     blobs, at = [], 8
-    for _ in range(3):
+    for _ in range(count):
         (size,) = struct.unpack_from("<q", data, at)
         blobs.append(bytearray(data[at + 8 : at + 8 + size]))
         at += 8 + size
+    return clamped, blobs
+
+
+def read_quantize_output(path: Path, x_shape, n_outliers: int) -> tuple:
+    """(codes, out_val, out_idx, clamped) as the op returns them, from the runner's output file."""
+    clamped, blobs = _read_blobs(path, 3)
     rows = list(x_shape[:-1])
     codes = torch.frombuffer(blobs[0], dtype=torch.uint8).reshape(*rows, -1) if blobs[0] else torch.zeros(*rows, 0, dtype=torch.uint8)
     out_val = torch.frombuffer(blobs[1], dtype=torch.float32).reshape(*rows, n_outliers) if blobs[1] else torch.zeros(*rows, 0)
     out_idx = torch.frombuffer(blobs[2], dtype=torch.uint8).reshape(*rows, n_outliers) if blobs[2] else torch.zeros(*rows, 0, dtype=torch.uint8)
     return codes, out_val, out_idx, torch.tensor(clamped)
+
+
+SCALE_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # quantize_core.h's ScaleType
+
+
+def write_groups_case(x: torch.Tensor, format: list[int], scale_dtype: torch.dtype, codebook: torch.Tensor, lo: torch.Tensor,
+                      hi: torch.Tensor, n_outliers: int, path: Path) -> None:  # fmt: skip
+    """`kvq.quantize`'s arguments (float32 x [B, H, T, D]) as a case file; the codebook as its
+    float32 midpoints, lo/hi empty for per-vector outliers."""
+    if x.dtype != torch.float32 or x.dim() != 4:
+        raise ValueError(f"the portable runner codes float32 x [B, H, T, D], got {x.dtype} {list(x.shape)}")
+    cb = codebook.float()
+    mids = (cb[1:] + cb[:-1]) * 0.5 if cb.numel() else torch.zeros(0)
+    parts = [b"KVQG", struct.pack("<i", CASE_VERSION), _tensor(x), struct.pack("<4q", *format, SCALE_TYPES[scale_dtype])]
+    parts += [_tensor(t.float().contiguous()) for t in (mids, lo, hi)]
+    parts.append(struct.pack("<q", n_outliers))
+    path.write_bytes(b"".join(parts))
+
+
+def read_groups_output(path: Path, x_shape, meta_shape, scale_dtype: torch.dtype, n_outliers: int) -> tuple:
+    """(codes, scale, zero, out_val, out_idx, clamped) as `kvq.quantize` returns them, from the runner's output."""
+    clamped, blobs = _read_blobs(path, 5)
+    rows = list(x_shape[:-1])
+
+    def tensor(blob: bytearray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return torch.frombuffer(blob, dtype=dtype).reshape(shape) if blob else torch.zeros(shape, dtype=dtype)
+
+    return (tensor(blobs[0], torch.uint8, [*rows, -1] if blobs[0] else [*rows, 0]), tensor(blobs[1], scale_dtype, meta_shape),
+            tensor(blobs[2], scale_dtype, meta_shape), tensor(blobs[3], torch.float32, [*rows, n_outliers]),
+            tensor(blobs[4], torch.uint8, [*rows, n_outliers]), torch.tensor(clamped))  # fmt: skip
 
 
 def read_output(path: Path, shape) -> torch.Tensor:
@@ -182,5 +218,5 @@ def compile_only(target: Target, directory: Path) -> list[Path]:
     return objects
 
 
-__all__ = ["TARGETS", "Target", "build_runner", "compile_only", "read_output", "read_quantize_output", "run", "write_case",
-           "write_quantize_case"]
+__all__ = ["TARGETS", "Target", "build_runner", "compile_only", "read_groups_output", "read_output", "read_quantize_output", "run",
+           "write_case", "write_groups_case", "write_quantize_case"]

@@ -1,7 +1,9 @@
 // The arithmetic of kvq::quantize_fixed on CPU (keys coded on arrival against calibrated per-channel
 // ranges, one vector at a time), free of ATen and ExecuTorch: quantize_fixed.cpp registers it with
 // PyTorch, conformance_main.cpp runs it on case files for other CPUs (kvq_ao.kernels.cpu.portable).
-// What it computes, byte for byte, is the reference's `quantize_fixed` (kernels/reference.py):
+// and of kvq::quantize (`quantize_groups`, below: ranges of their own per group, the appends of
+// every other quantized format).
+// What quantize_rows computes, byte for byte, is the reference's `quantize_fixed` (kernels/reference.py):
 //   * outliers: entries outside their channel's [lo, hi], ranked by excess / (hi - lo); the
 //     n_outliers largest keep their exact value (ties: the lower channel first), the rest are
 //     counted as clamped; every entry is clamped into [lo, hi];
@@ -15,6 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kvq_format.h"  // generated from kvq_ao/format.py into the build directory
@@ -101,6 +105,229 @@ int64_t quantize_rows(const T* x, int64_t rows, int64_t tokens, int64_t heads, i
           }
         }
         pack(code, dim, bits, codes + r * row_bytes);
+      }
+      clamped[task] = mine;
+    }
+  });
+  int64_t total = 0;
+  for (int64_t c : clamped) total += c;
+  return total;
+}
+
+
+// ----------------------------------------------------------------------------- kvq::quantize
+// The metadata dtypes of kvq::quantize (its scale_dtype), as the reference rounds to them.
+enum class ScaleType : int { Half = 0, BFloat16 = 1, Float = 2 };
+
+// float32 -> IEEE binary16 bits, round to nearest even (subnormals, and overflow to inf from 65520 on),
+// as torch converts.
+inline uint16_t half_bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: inf
+  if (ax < 0x38800000u) {  // below 2^-14: a subnormal half, round(|f| * 2^24) units of 2^-24
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  uint32_t h = ((((ax >> 23) - 127 + 15) << 10) | ((ax & 0x7fffffu) >> 13));
+  const uint32_t rest = ax & 0x1fffu;
+  h += (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ? 1u : 0u;  // a carry moves into the exponent
+  return static_cast<uint16_t>(sign | h);
+}
+
+inline float half_value(uint16_t h) {
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  float v = exp == 0 ? std::ldexp(static_cast<float>(mant), -24)
+          : exp == 31 ? (mant ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity())
+                      : std::ldexp(static_cast<float>(mant | 0x400u), static_cast<int>(exp) - 25);
+  return (h & 0x8000u) ? -v : v;
+}
+
+// float32 -> bfloat16 bits, round to nearest even (as c10::BFloat16).
+inline uint16_t bfloat16_bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+inline float bfloat16_value(uint16_t b) {
+  const uint32_t x = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &x, 4);
+  return v;
+}
+
+// finfo of a scale dtype: max, eps and smallest normal (powers of two but max).
+struct ScaleInfo {
+  ScaleType type;
+  float max, eps, tiny;
+};
+
+inline ScaleInfo scale_info(ScaleType t) {
+  switch (t) {
+    case ScaleType::Half: return {t, 65504.0f, 0.0009765625f, 6.103515625e-05f};
+    case ScaleType::BFloat16: return {t, 3.3895313892515355e+38f, 0.0078125f, 1.1754943508222875e-38f};
+    default: return {t, std::numeric_limits<float>::max(), 1.1920928955078125e-07f, 1.1754943508222875e-38f};
+  }
+}
+
+// x rounded to the scale dtype, as float32 (`uniform._rounded`).
+inline float rounded(float x, const ScaleInfo& si) {
+  if (si.type == ScaleType::Half) return half_value(half_bits(x));
+  if (si.type == ScaleType::BFloat16) return bfloat16_value(bfloat16_bits(x));
+  return x;
+}
+
+// x moved one or two ulps of the scale dtype in `direction` (`uniform._step`).
+inline float stepped(float x, float direction, const ScaleInfo& si) {
+  const float delta = std::max(std::fabs(x) * si.eps, si.tiny * si.eps);
+  return rounded(x + direction * delta, si);
+}
+
+// (zero, scale) of a group with minimum lo and maximum hi, float32 holding scale-dtype values
+// (`uniform.group_range`): zero rounded down, scale rounded up, checked in float64.
+inline void group_range(float lo, float hi, int levels, const ScaleInfo& si, float* zero, float* scale) {
+  float z = rounded(std::min(std::max(lo, -si.max), si.max), si);
+  if (z > lo) z = stepped(z, -1.0f, si);
+  float s = rounded(std::min(std::max((hi - z) / static_cast<float>(levels), 0.0f), si.max), si);
+  if (static_cast<double>(s) * levels + static_cast<double>(z) < static_cast<double>(hi)) s = stepped(s, 1.0f, si);
+  *zero = z;
+  *scale = s;
+}
+
+inline void store_scale(void* out, int64_t i, float v, const ScaleInfo& si) {
+  if (si.type == ScaleType::Float) static_cast<float*>(out)[i] = v;
+  else static_cast<uint16_t*>(out)[i] = si.type == ScaleType::Half ? half_bits(v) : bfloat16_bits(v);  // v is exact there
+}
+
+// The dense part of one vector and its outlier slots, as the reference's `quantize` splits it:
+// * lo/hi given (channel rule, `split_outliers`): entries clamped into their channel's range, the
+//   `slots` largest excesses kept (then the lowest other channels); returns the clamped count;
+// * lo/hi null and slots > 0 (vector rule, `split_vector_outliers`): the `slots` entries furthest
+//   from the vector's mean kept, each clamped into the range of the rest of its group of `group`
+//   channels (a group of outliers only keeps its own range);
+// * slots 0: the vector itself.
+template <typename T>
+inline int64_t split_vector(const T* xr, int dim, int slots, const float* l, const float* u, int group, float* dense,
+                            T* out_val, uint8_t* out_idx) {
+  float score[kMaxDim];
+  for (int c = 0; c < dim; ++c) dense[c] = static_cast<float>(xr[c]);
+  if (slots == 0) return 0;
+  int64_t outside = 0;
+  if (l != nullptr) {
+    for (int c = 0; c < dim; ++c) {
+      const float v = dense[c], width = std::max(u[c] - l[c], 1.17549435082228750797e-38f);
+      score[c] = (std::max(v - u[c], 0.0f) + std::max(l[c] - v, 0.0f)) / width;
+      dense[c] = std::min(std::max(v, l[c]), u[c]);
+      outside += score[c] > 0.0f;
+    }
+  } else {
+    float sum = 0.0f;
+    for (int c = 0; c < dim; ++c) sum += dense[c];
+    const float mean = sum / static_cast<float>(dim);
+    for (int c = 0; c < dim; ++c) score[c] = std::fabs(dense[c] - mean);
+  }
+  bool picked[kMaxDim] = {};
+  int64_t kept = 0;
+  for (int j = 0; j < slots; ++j) {  // largest score first; the lower channel wins a tie
+    int best = -1;
+    for (int c = 0; c < dim; ++c)
+      if (!picked[c] && (best < 0 || score[c] > score[best])) best = c;
+    kept += l != nullptr && score[best] > 0.0f;
+    picked[best] = true;
+    out_val[j] = xr[best];
+    out_idx[j] = static_cast<uint8_t>(best);
+  }
+  if (l != nullptr) return outside - kept;
+  for (int g0 = 0; g0 < dim; g0 += group) {  // vector rule: clamp each group's outliers into the rest's range
+    float lo = std::numeric_limits<float>::max(), hi = -std::numeric_limits<float>::max();
+    float all_lo = dense[g0], all_hi = dense[g0];
+    bool any_rest = false;
+    for (int c = g0; c < g0 + group; ++c) {
+      all_lo = std::min(all_lo, dense[c]);
+      all_hi = std::max(all_hi, dense[c]);
+      if (!picked[c]) lo = std::min(lo, dense[c]), hi = std::max(hi, dense[c]), any_rest = true;
+    }
+    if (!any_rest) lo = all_lo, hi = all_hi;
+    for (int c = g0; c < g0 + group; ++c) dense[c] = std::min(std::max(dense[c], lo), hi);
+  }
+  return 0;
+}
+
+inline uint8_t code_of(float v, float zero, float scale, int levels, const float* mids, int n_mids) {
+  const float q = (v - zero) / (scale > 0.0f ? scale : 1.0f);
+  if (n_mids > 0) {
+    int k = 0;
+    for (int m = 0; m < n_mids; ++m) k += q > mids[m];
+    return static_cast<uint8_t>(k);
+  }
+  return static_cast<uint8_t>(std::min(std::max(std::nearbyint(q), 0.0f), static_cast<float>(levels)));
+}
+
+// kvq::quantize of x [slices, tokens, dim] (slices = the leading dims; head = slice % heads picks
+// lo/hi): per-token groups of `group` channels, or per-channel blocks of `group` tokens (`block`
+// = tokens for one row over all positions), each group's own range (`group_range`), its entries
+// coded by uniform levels or codebook midpoints, packed per row. Scale and zero are written in
+// the scale dtype, [slices, tokens, dim / group] (token axis) or [slices, tokens / block, dim].
+// Returns the clamped count. Work is split into units of rows that share no range: one row
+// (token axis) or one block of one slice (channel axis).
+template <typename T, typename ParallelFor>
+int64_t quantize_groups(const T* x, int64_t slices, int64_t tokens, int64_t heads, int dim, int bits, bool channel_axis,
+                        int group, ScaleType scale_type, const float* mids, int n_mids, const float* lo, const float* hi,
+                        int slots, uint8_t* codes, void* scale_out, void* zero_out, T* out_val, uint8_t* out_idx,
+                        ParallelFor&& parallel_for) {
+  const ScaleInfo si = scale_info(scale_type);
+  const int row_bytes = packed_bytes(dim, bits);
+  const int levels = n_mids > 0 ? 1 : (1 << bits) - 1;
+  const int64_t unit_rows = channel_axis ? group : 1;
+  const int64_t units = slices * tokens / unit_rows;
+  const int64_t units_per_task = std::max<int64_t>(1, kRowsPerTask / unit_rows);
+  const int64_t tasks = (units + units_per_task - 1) / units_per_task;
+  std::vector<int64_t> clamped(static_cast<size_t>(tasks), 0);
+  parallel_for(tasks, [&](int64_t task_begin, int64_t task_end) {
+    std::vector<float> dense(static_cast<size_t>(unit_rows * dim));
+    std::vector<float> zero(channel_axis ? dim : dim / group), scale(zero.size());
+    uint8_t code[kMaxDim];
+    for (int64_t task = task_begin; task < task_end; ++task) {
+      int64_t mine = 0;
+      for (int64_t unit = task * units_per_task; unit < std::min(units, (task + 1) * units_per_task); ++unit) {
+        const int64_t row0 = unit * unit_rows, h = (row0 / tokens) % heads;
+        const float* l = lo ? lo + h * dim : nullptr;
+        const float* u = hi ? hi + h * dim : nullptr;
+        for (int64_t r = 0; r < unit_rows; ++r)
+          mine += split_vector(x + (row0 + r) * dim, dim, slots, l, u, group, dense.data() + r * dim,
+                               out_val + (row0 + r) * slots, out_idx + (row0 + r) * slots);
+        if (channel_axis) {
+          for (int c = 0; c < dim; ++c) {
+            float mn = dense[c], mx = dense[c];
+            for (int64_t r = 1; r < unit_rows; ++r) mn = std::min(mn, dense[r * dim + c]), mx = std::max(mx, dense[r * dim + c]);
+            group_range(mn, mx, levels, si, &zero[c], &scale[c]);
+            store_scale(zero_out, unit * dim + c, zero[c], si);
+            store_scale(scale_out, unit * dim + c, scale[c], si);
+          }
+        } else {
+          const int groups = dim / group;
+          for (int g = 0; g < groups; ++g) {
+            float mn = dense[g * group], mx = mn;
+            for (int c = g * group + 1; c < (g + 1) * group; ++c) mn = std::min(mn, dense[c]), mx = std::max(mx, dense[c]);
+            group_range(mn, mx, levels, si, &zero[g], &scale[g]);
+            store_scale(zero_out, row0 * groups + g, zero[g], si);
+            store_scale(scale_out, row0 * groups + g, scale[g], si);
+          }
+        }
+        for (int64_t r = 0; r < unit_rows; ++r) {
+          const float* d = dense.data() + r * dim;
+          for (int c = 0; c < dim; ++c) {
+            const int m = channel_axis ? c : c / group;
+            code[c] = code_of(d[c], zero[m], scale[m], levels, mids, n_mids);
+          }
+          pack(code, dim, bits, codes + (row0 + r) * row_bytes);
+        }
       }
       clamped[task] = mine;
     }

@@ -28,7 +28,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, format_ints
+from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.kernels import cpu, gpu, reference
 from kvq_ao.ops import attention_arguments, reference_arguments
 
@@ -212,7 +213,7 @@ def test_chunk_with_a_per_head_mask_in_half_precision(backend):
 
 # ----------------------------------------------------------------------------- quantize and quantize_fixed
 QUANTIZERS = {  # name -> (availability, kvq.quantize implementation or None, kvq.quantize_fixed implementation or None)
-    "native-cpu": (_native_available, None, torch.ops.kvq.quantize_fixed),
+    "native-cpu": (_native_available, torch.ops.kvq.quantize, torch.ops.kvq.quantize_fixed),
     "triton-interpreter": (_triton_available, lambda *a: torch.ops.kvq.triton_quantize(*a),
                            lambda *a: torch.ops.kvq.triton_quantize_fixed(*a)),
 }
@@ -246,6 +247,50 @@ def test_quantize_is_bit_identical_to_the_reference(backend, bits, axis, group, 
         want = reference.quantize(x, rest[0], scale_dtype, *rest[1:])
         for name, a, b in zip(QUANTIZE_FIELDS, got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs ({scale_dtype})"
+
+
+@pytest.mark.parametrize("backend", [n for n, (_, q, _) in QUANTIZERS.items() if q])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), bits=st.sampled_from([2, 3, 4, 8]), codebook=st.booleans(),
+       layout=st.sampled_from([(AXIS_TOKEN, 64), (AXIS_TOKEN, 16), (AXIS_CHANNEL, 16)]),
+       outliers=st.sampled_from(["none", "channel", "vector"]), d=st.sampled_from([64, 128, 256]),
+       magnitude=st.sampled_from([1e-9, 1e-6, 1e-3, 1.0, 3e3, 6e4, 1e6]), constant_groups=st.booleans(),
+       scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))  # fmt: skip
+def test_quantize_is_byte_identical_at_any_magnitude(backend, seed, bits, codebook, layout, outliers, d, magnitude, constant_groups,
+                                                    scale_dtype):  # fmt: skip
+    """Scales and zeros at the edges of their dtype: subnormal float16 ranges (1e-9, 1e-6), ranges
+    past float16's largest value (6e4, 1e6, where the stored range saturates), constant groups
+    (scale 0), head_dim up to 256 with outlier slots: every field byte for byte."""
+    axis, group = layout
+    if outliers == "vector" and axis == AXIS_CHANNEL:
+        outliers = "channel"  # per-vector outliers need per-token groups (the op refuses the pair)
+    op = _quantizer(backend, 0)
+    g = torch.Generator().manual_seed(seed)
+    t = 32 if axis == AXIS_CHANNEL else 5
+    x = torch.randn(2, 3, t, d, generator=g) * magnitude
+    if constant_groups:
+        x[:, 1, :, :16] = x[:, 1, :1, :1]  # a token group of 16 equal entries, and constant channels
+    lo = hi = torch.zeros(0)
+    if outliers == "channel":
+        lo, hi = -magnitude * (1 + torch.rand(3, d, generator=g)), magnitude * (1 + torch.rand(3, d, generator=g))
+    k = {"none": 0, "channel": 3, "vector": 2}[outliers]
+    args = (x, format_ints(bits, axis, group), scale_dtype, nf_codebook(bits) if codebook and bits <= 4 else torch.zeros(0), lo, hi, k)
+    got, want = op(*args), reference.quantize(*args)
+    for name, a, b in zip(QUANTIZE_FIELDS, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{name} differs"
+
+
+def test_native_quantize_takes_any_leading_dims_and_one_row_for_every_position():
+    """Without outliers kvq.quantize takes [..., T, D] (a 3-d and a 5-d x here) and per-channel
+    ranges over every position (`ONE_ROW`), as the reference does."""
+    op = _quantizer("native-cpu", 0)
+    g = torch.Generator().manual_seed(3)
+    for shape, fmt in (((3, 8, 64), format_ints(4, AXIS_TOKEN, 32)), ((2, 1, 2, 32, 64), format_ints(3, AXIS_CHANNEL, 16)),
+                       ((1, 3, 20, 64), format_ints(2, AXIS_CHANNEL, ONE_ROW))):  # fmt: skip
+        x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        args = (x, fmt, torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)
+        for name, a, b in zip(QUANTIZE_FIELDS, op(*args), reference.quantize(*args)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{name} differs for {shape}"
 
 
 @pytest.mark.parametrize("backend", [n for n, (_, _, f) in QUANTIZERS.items() if f])

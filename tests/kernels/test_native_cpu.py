@@ -90,3 +90,28 @@ def test_native_quantize_fixed_serves_cpu_and_checks_its_arguments():
         torch.ops.kvq.quantize_fixed(x, 3, zero, scale, torch.zeros(0), lo, hi, 65)
     with pytest.raises(ValueError, match="codebook must hold 8 levels"):
         torch.ops.kvq.quantize_fixed(x, 3, zero, scale, torch.linspace(0, 1, 4), lo, hi, 0)
+
+
+def test_native_quantize_serves_cpu_and_checks_its_arguments():
+    """kvq.quantize's CPU kernel refuses what the reference refuses, with the same words."""
+    from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints
+
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kvq::quantize", "CPU")
+    x, none = torch.randn(1, 2, 4, 64), torch.zeros(0)
+    tok = format_ints(4, AXIS_TOKEN, 32)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        torch.ops.kvq.quantize(x, format_ints(5, AXIS_TOKEN, 32), torch.float16, none, none, none, 0)
+    with pytest.raises(ValueError, match="per-token group size 48 does not divide head_dim 64"):
+        torch.ops.kvq.quantize(x, format_ints(4, AXIS_TOKEN, 48), torch.float16, none, none, none, 0)
+    with pytest.raises(ValueError, match="whole blocks of 16 tokens, got 4 tokens"):
+        torch.ops.kvq.quantize(x, format_ints(4, AXIS_CHANNEL, 16), torch.float16, none, none, none, 0)
+    with pytest.raises(ValueError, match="n_outliers must be in"):
+        torch.ops.kvq.quantize(x, tok, torch.float16, none, none, none, 65)
+    with pytest.raises(ValueError, match=r"codebook must hold 2\*\*bits levels for bits in \(2, 3, 4\); got \[4\] for 4 bits"):
+        torch.ops.kvq.quantize(x, tok, torch.float16, torch.linspace(0, 1, 4), none, none, 0)
+    with pytest.raises(ValueError, match=r"outlier thresholds must be \[heads, head_dim\] = \[2, 64\]"):
+        torch.ops.kvq.quantize(x, tok, torch.float16, none, -torch.ones(1, 64), torch.ones(1, 64), 1)
+    with pytest.raises(ValueError, match="per-vector outliers .* need the per-token axis"):
+        torch.ops.kvq.quantize(torch.randn(1, 2, 16, 64), format_ints(4, AXIS_CHANNEL, 16), torch.float16, none, none, none, 1)
+    with pytest.raises(ValueError, match="scale_dtype must be float16, bfloat16 or float32"):
+        torch.ops.kvq.quantize(x, tok, torch.float64, none, none, none, 0)

@@ -105,6 +105,12 @@ def test_ops_reject_bad_arguments_with_clear_errors():
         quantize(3, AXIS_TOKEN, 16, cb=nf_codebook(2))
     with pytest.raises(ValueError, match="outlier thresholds must be"):
         quantize(3, AXIS_TOKEN, 16, lo=torch.zeros(2, 64), hi=torch.zeros(2, 64), n=1)
+    with pytest.raises(ValueError, match="scale_dtype must be float16, bfloat16 or float32, got"):  # (native: "Double")
+        torch.ops.kvq.quantize(x, format_ints(4, AXIS_TOKEN, 16), torch.float64, e, e, e, 0)
+    with torch._subclasses.FakeTensorMode() as mode:  # the Python check (fake kernel; the reference runs it too)
+        with pytest.raises(ValueError, match="scale_dtype must be float16, bfloat16 or float32, got torch.float64"):
+            f = mode.from_tensor
+            torch.ops.kvq.quantize(f(x), format_ints(4, AXIS_TOKEN, 16), torch.float64, f(e), f(e), f(e), 0)
     # Both ops, and for decode both the native kernel and the Python checks (the fake kernel
     # compile and export trace), name the problem.
     fake = torch._subclasses.FakeTensorMode()

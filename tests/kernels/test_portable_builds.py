@@ -135,7 +135,8 @@ def test_the_extension_and_executorch_sources_compile_for_aarch64(tmp_path):
     """The PyTorch extension's and the ExecuTorch kernel library's sources, cross-compiled to
     objects (linking needs aarch64 builds of torch and executorch, which are not here)."""
     objects = portable.compile_only(_target("aarch64"), tmp_path)
-    assert [o.name for o in objects] == ["decode_attention-aarch64.o", "quantize_fixed-aarch64.o", "executorch_ops-aarch64.o"]
+    assert [o.name for o in objects] == ["decode_attention-aarch64.o", "quantize_fixed-aarch64.o", "quantize-aarch64.o",
+                                         "executorch_ops-aarch64.o"]  # fmt: skip
     for obj in objects:
         header = obj.read_bytes()[:20]
         assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183
@@ -177,3 +178,49 @@ def test_quantize_fixed_is_byte_identical_to_the_reference(built, name):
         assert int(got[3]) == int(want[3]), f"case {i}: clamped {int(got[3])} != {int(want[3])}"
         for field, a, b in zip(("codes", "out_val", "out_idx"), got[:3], want[:3]):
             assert torch.equal(a, b.to(a.dtype)), f"case {i}: {field} differs"
+
+
+def _groups_cases(n: int) -> list[tuple]:
+    """kvq.quantize's arguments (float32 x: no ties between entries): every width, codebook or
+    uniform levels, per-token groups of 16/32/64 or per-channel blocks of 16 or one row for all
+    positions, outliers none / by channel ranges / per vector, every scale dtype, magnitudes from
+    float16-subnormal ranges to past float16's largest value."""
+    from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, format_ints
+    from kvq_ao.quant.codebook import nf_codebook
+
+    layouts = [(AXIS_TOKEN, 64), (AXIS_TOKEN, 16), (AXIS_CHANNEL, 16), (AXIS_TOKEN, 32), (AXIS_CHANNEL, ONE_ROW)]
+    cases = []
+    for seed in range(n):
+        g = torch.Generator().manual_seed(seed)
+        bits, (axis, group), d = [2, 3, 4, 8][seed % 4], layouts[seed % 5], [64, 128, 256][seed % 3]
+        outliers = ["none", "channel", "vector"][seed % 3] if axis == AXIS_TOKEN else ["none", "channel"][seed % 2]
+        magnitude = [1e-6, 1.0, 7e4, 3.0][seed % 4]
+        t = 32 if group == 16 and axis == AXIS_CHANNEL else 1 + seed * 7 % 20
+        x = torch.randn(2, 3, t, d, generator=g) * magnitude
+        lo = hi = torch.zeros(0)
+        if outliers == "channel":
+            lo, hi = -magnitude * (1 + torch.rand(3, d, generator=g)), magnitude * (1 + torch.rand(3, d, generator=g))
+        k = {"none": 0, "channel": 2, "vector": 1 + seed % 3}[outliers]
+        cb = nf_codebook(bits) if seed % 2 and bits <= 4 else torch.zeros(0)
+        scale_dtype = [torch.float16, torch.bfloat16, torch.float32][seed % 3]
+        cases.append((x, format_ints(bits, axis, group), scale_dtype, cb, lo, hi, k))
+    return cases
+
+
+@pytest.mark.parametrize("name", ["generic", "aarch64"])
+def test_quantize_is_byte_identical_to_the_reference(built, name):
+    """The append of every other format (quantize_core.h's quantize_groups, kvq.quantize): codes,
+    scales, zeros, outlier slots and the clamped count, byte for byte."""
+    from kvq_ao.kernels import reference
+
+    target, binary, directory = built(name)
+    cases = _groups_cases(30)
+    pairs = [(directory / f"groups-{i}.case", directory / f"groups-{i}.{name}.out") for i in range(len(cases))]
+    for case, (path, _) in zip(cases, pairs):
+        portable.write_groups_case(*case, path)
+    portable.run(target, binary, pairs)
+    for i, (case, (_, out)) in enumerate(zip(cases, pairs)):
+        want = reference.quantize(*case)
+        got = portable.read_groups_output(out, case[0].shape, list(want[1].shape), case[2], case[-1])
+        for field, a, b in zip(("codes", "scale", "zero", "out_val", "out_idx", "clamped"), got, want):
+            assert a.shape == b.shape and torch.equal(a, b.to(a.dtype)), f"case {i}: {field} differs"
