@@ -10,6 +10,12 @@ with the check on, the time spent inside `refuse_non_finite` (a perf_counter pai
 call, ~0.1 us) over the whole step time; the median of that share over rounds is the `in-check`
 column, the figure the issue's budget is judged by.
 
+The native CPU kernels are loaded first, as `quantize_kv_` loads them (their use is recorded).
+With them the two writers scan their input for NaN/Inf themselves and the cache runs no check in
+Python on a clean append (kvq_ao/finite.py), so on/off and in-check measure nothing there; the
+scan, which cannot be switched off inside the kernels, is timed alone (native_scan.cpp, built
+with the kernels' flags) and charged as two scans per layer and step: `native_scan_pct`.
+
 Paths: the eager dynamic cache (every decode step outside torch.compile) and the eager static
 cache (generate's `cache_implementation="static"` without compiling). Compiled and exported code
 carry no check (kvq_ao/finite.py says why), so there is nothing to time there. Presets: kivi-4 (window of 128), kvquant-3-1pct (calibrated key ranges: the
@@ -100,6 +106,23 @@ def _timed(path: str, preset: str, prefill: int, steps: int, check: bool) -> tup
         cache_module.refuse_non_finite = refuse_non_finite
 
 
+def _native_scan_ns(entries: int) -> float:
+    """ns per call of the native appends' NaN/Inf scan over `entries` float32 (native_scan.cpp,
+    built with the kernels' flags)."""
+    import subprocess
+    import tempfile
+
+    from kvq_ao.kernels import cpu
+
+    here = Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory() as tmp:
+        cpu.write_generated_header(Path(tmp))
+        binary = Path(tmp) / "native_scan"
+        subprocess.run(["g++", *cpu.CFLAGS, f"-I{here.parent / 'kernels' / 'cpu'}", f"-I{tmp}", str(here / "native_scan.cpp"),
+                        "-o", str(binary)], check=True)  # fmt: skip
+        return float(subprocess.run([str(binary), str(entries)], check=True, capture_output=True, text=True).stdout)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="kivi-4,kvquant-3-1pct,int4-token")
@@ -111,6 +134,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/append/append_check_cost.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from kvq_ao.kernels import cpu
+
+    # the appends as users run them: quantize_kv_ loads the native kernels (kvq.quantize and
+    # kvq.quantize_fixed on CPU); without them every append would time the reference's ATen ops
+    native = cpu.load()
+    print(f"native CPU kernels: {'in use' if native else 'not in use (KVQ_AO_NATIVE=0, or no compiler): the reference ops serve the appends'}")
+    # with them the check is the writers' own scan (refuse_non_finite runs only to name a refused
+    # entry): timed alone, it is charged per kind and layer of every append that quantizes
+    scan_ns = _native_scan_ns(HEADS * HEAD_DIM) if native else None
+    if scan_ns is not None:
+        print(f"native NaN/Inf scan: {scan_ns:.1f} ns per kind and layer ({HEADS} x {HEAD_DIM} float32)")
     rows = []
     for path in args.paths.split(","):
         for preset in args.presets.split(","):
@@ -126,15 +160,18 @@ def main(argv=None) -> int:
             rows.append(dict(path=path, preset=preset, check_on_us=round(statistics.median(on) * 1e6, 1),
                              check_off_us=round(statistics.median(off) * 1e6, 1), cost_pct=round(cost, 2),
                              in_check_pct=round(statistics.median(share) * 100, 2)))  # fmt: skip
+            if scan_ns is not None:  # an upper bound: every step charged two scans per layer, as if each quantized
+                rows[-1]["native_scan_pct"] = round(2 * LAYERS * scan_ns * 1e-3 / rows[-1]["check_on_us"] * 100, 3)
             print(f"{path:16} {preset:15} on {rows[-1]['check_on_us']:8.1f} us  off {rows[-1]['check_off_us']:8.1f} us  "
-                  f"cost {cost:+.2f}%  in-check {rows[-1]['in_check_pct']:.2f}%", flush=True)  # fmt: skip
+                  f"cost {cost:+.2f}%  in-check {rows[-1]['in_check_pct']:.2f}%  native scan {rows[-1].get('native_scan_pct', '-')}%",
+                  flush=True)  # fmt: skip
     out = save_json(args.out, stamp(layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, prefill=args.prefill, steps=args.steps,
-                                    rounds=args.rounds, threads=args.threads, rows=rows))  # fmt: skip
-    print("\n| path | preset | append, check on (us/step, 30 layers) | check off | on - off | in-check |\n"
-          "|---|---|---:|---:|---:|---:|")  # fmt: skip
+                                    rounds=args.rounds, threads=args.threads, native_kernels=native, native_scan_ns=scan_ns, rows=rows))  # fmt: skip
+    print("\n| path | preset | append, check on (us/step, 30 layers) | check off | on - off | in-check | native scan |\n"
+          "|---|---|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
         print(f"| {r['path']} | {r['preset']} | {r['check_on_us']} | {r['check_off_us']} | {r['cost_pct']:+.2f}% | "
-              f"{r['in_check_pct']:.2f}% |")  # fmt: skip
+              f"{r['in_check_pct']:.2f}% | {r.get('native_scan_pct', '-')}% |")  # fmt: skip
     print(f"\nwrote {out}")
     return 0
 

@@ -30,7 +30,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, StaticCache
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
-from kvq_ao.finite import refuse_non_finite
+from kvq_ao.finite import NATIVE_NON_FINITE, refuse_non_finite
+from kvq_ao.kernels import cpu as cpu_kernels
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
@@ -45,6 +46,11 @@ _GROWTH_FACTOR = 1.5  # ...and grows at least this much at a time, so appending 
 # A static cache's capacity is a multiple of this many tokens (and of its block), so generations
 # whose prompt + max_new_tokens differ by a little share one compiled graph (one per capacity).
 _STATIC_STEP = 16
+
+
+def _native_writers(x: torch.Tensor) -> bool:
+    """Whether x's quantize ops run the native CPU kernels (which refuse NaN/Inf themselves)."""
+    return x.device.type == "cpu" and cpu_kernels.is_loaded() and not gpu_kernels.serves(x.device)
 
 
 def _op_format(spec: QuantSpec) -> tuple[int, int, int]:
@@ -177,9 +183,10 @@ class _BodyStore:
                                                            self.lo, self.hi, self.n_outliers)  # fmt: skip
         return codes, scale, zero, out_val.to(self.out_val.dtype), out_idx, clamped
 
-    def write(self, start: int, x: torch.Tensor) -> None:
-        """Quantize x [B, H, n, D] into positions [start, start + n) (block-aligned)."""
-        codes, scale, zero, out_val, out_idx, clamped = self._encode(x)
+    def write(self, start: int, x: torch.Tensor, encoded: tuple | None = None) -> None:
+        """Quantize x [B, H, n, D] into positions [start, start + n) (block-aligned); `encoded`: its
+        `_encode` already computed."""
+        codes, scale, zero, out_val, out_idx, clamped = self._encode(x) if encoded is None else encoded
         n = x.shape[2]
         self.codes[:, :, start : start + n] = codes
         if self.n_outliers:
@@ -191,9 +198,9 @@ class _BodyStore:
             self.scale[:, :, start // r : (start + n) // r] = scale
             self.zero[:, :, start // r : (start + n) // r] = zero
 
-    def write_block_if(self, start: torch.Tensor, x: torch.Tensor, enable: torch.Tensor) -> None:
+    def write_block_if(self, start: torch.Tensor, x: torch.Tensor, enable: torch.Tensor, encoded: tuple | None = None) -> None:
         """Tensor-only write of one block x [B, H, block, D] at `start` when `enable` (0-dim bool)."""
-        codes, scale, zero, out_val, out_idx, clamped = self._encode(x)
+        codes, scale, zero, out_val, out_idx, clamped = self._encode(x) if encoded is None else encoded
         rows = start + torch.arange(x.shape[2], device=x.device)
 
         def blend_into(buf: torch.Tensor, idx: torch.Tensor, new: torch.Tensor) -> None:
@@ -224,6 +231,10 @@ class QuantizedLayer(CacheLayerMixin):
     and zeroed, once) and grows geometrically past that: a growth copies the body once, so the
     copying is amortized O(1) per token, never quadratic in the length.
     """
+
+    # whether the bodies' writers see the whole block (then the native ones check it themselves;
+    # a context-parallel layer's bodies code only their own segments)
+    writers_refuse_non_finite = True
 
     is_compileable = False
     is_croppable = True  # crop() restores exactly what a layer without the dropped tokens would hold
@@ -401,17 +412,21 @@ class QuantizedLayer(CacheLayerMixin):
         self.ensure_capacity(new)
         b_old, b_new = self._boundary(old), self._boundary(new)
         if b_new > b_old:
-            held = torch.arange(b_old, old, device=self.device)
-            slots = self._slot(held)
-            xk = torch.cat([self.side_k.index_select(2, slots).to(k.dtype), k], dim=2)[:, :, : b_new - b_old]
-            xv = torch.cat([self.side_v.index_select(2, slots).to(v.dtype), v], dim=2)[:, :, : b_new - b_old]
+            # positions [b_old, b_new): the oldest held ones from the side store, then new ones (only
+            # those rows are read: a decode step takes one row, not the whole window)
+            from_side = min(old, b_new) - b_old
+            xk, xv = k[:, :, : b_new - old], v[:, :, : b_new - old]
+            if from_side > 0:
+                slots = self._slot(torch.arange(b_old, b_old + from_side, device=self.device))
+                held_k, held_v = self.side_k.index_select(2, slots).to(k.dtype), self.side_v.index_select(2, slots).to(v.dtype)
+                xk, xv = (held_k, held_v) if b_new <= old else (torch.cat([held_k, xk], dim=2), torch.cat([held_v, xv], dim=2))
             if self.spec.key.token_block > 1:
                 xk = self._without_sink(xk, b_old)
             if self.spec.value.token_block > 1:
                 xv = self._without_sink(xv, b_old)
-            refuse_non_finite(self._quantized(xk, xv, b_old), b_old, self.layer_idx)
-            self.k_body.write(b_old, xk)
-            self.v_body.write(b_old, xv)
+            encoded_k, encoded_v = self._encode_finite(xk, xv, b_old)
+            self.k_body.write(b_old, xk, encoded_k)
+            self.v_body.write(b_old, xv, encoded_v)
         if new == old + 1 and (old < self.sink or old >= b_new):
             # One token kept in full precision (each decode step of a layer with a recent window):
             # its side slot in Python arithmetic, three row copies, no index tensors.
@@ -426,6 +441,25 @@ class QuantizedLayer(CacheLayerMixin):
             self.cumulative_length.fill_(new)
         else:
             self.cumulative_length = new
+
+    def _encode_finite(self, xk: torch.Tensor, xv: torch.Tensor, first_pos: int) -> tuple[tuple, tuple]:
+        """Both kinds of a block going into the body at first_pos, encoded, NaN/Inf refused before
+        either is written (`kvq_ao.finite`). Where the native CPU writers serve (they refuse NaN/Inf
+        input in their own pass) nothing else is checked: their refusal is turned into the named
+        NonFiniteKVError; elsewhere `refuse_non_finite` checks first. A refused entry in a row
+        attention reads from the side store (the sink's, coded by per-token formats) is no error,
+        as `_quantized` says: those rows are coded as zeros then."""
+        if torch.compiler.is_compiling() or not (self.writers_refuse_non_finite and _native_writers(xk)):
+            refuse_non_finite(self._quantized(xk, xv, first_pos), first_pos, self.layer_idx)
+            return self.k_body._encode(xk), self.v_body._encode(xv)
+        try:
+            return self.k_body._encode(xk), self.v_body._encode(xv)
+        except ValueError as error:
+            if not str(error).startswith(NATIVE_NON_FINITE):
+                raise
+        blocks = self._quantized(xk, xv, first_pos)
+        refuse_non_finite(blocks, first_pos, self.layer_idx)  # names the entry (raises unless it sits in the sink's rows)
+        return self.k_body._encode(blocks.get("key", xk)), self.v_body._encode(blocks.get("value", xv))
 
     def _quantized(self, xk: torch.Tensor, xv: torch.Tensor, first_pos) -> dict[str, torch.Tensor]:
         """Of a block going into the body at first_pos, what is stored quantized and read from there
@@ -487,10 +521,13 @@ class QuantizedLayer(CacheLayerMixin):
         if self.spec.value.token_block > 1:
             xv = self._without_sink(xv, start)
         enable = complete.reshape(())
-        if not torch.compiler.is_compiling() and bool(enable):  # eager: check only a block that is kept
-            refuse_non_finite(self._quantized(xk, xv, start), int(start), self.layer_idx)
-        self.k_body.write_block_if(start, xk, enable)
-        self.v_body.write_block_if(start, xv, enable)
+        if torch.compiler.is_compiling():
+            self.k_body.write_block_if(start, xk, enable)
+            self.v_body.write_block_if(start, xv, enable)
+        elif bool(enable):  # eager: a block that is not kept is neither quantized nor checked
+            encoded_k, encoded_v = self._encode_finite(xk, xv, int(start))
+            self.k_body.write_block_if(start, xk, enable, encoded_k)
+            self.v_body.write_block_if(start, xv, enable, encoded_v)
         end = torch.div(torch.clamp(behind, min=0), self.block, rounding_mode="floor") * self.block
         self.body_end.copy_(end.reshape(()))
         self.cumulative_length.add_(1)

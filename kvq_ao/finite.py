@@ -9,6 +9,11 @@ name (a sum that overflowed on finite entries finds none and is let through). To
 the full-precision window or the sink are held exactly, as a float cache would hold them, and
 are checked when they leave the window.
 
+On CPU with the native kernels loaded, the two writers (`kvq.quantize`, `kvq.quantize_fixed`) refuse
+NaN/Inf input in their own pass over it, with an error starting with NATIVE_NON_FINITE, so the
+eager CPU append runs no check of its own: the cache turns that error into NonFiniteKVError
+(`QuantizedLayer._encode_finite`). The sum below serves every other writer (reference, Triton).
+
 Compiled and exported code is not checked (a limit the README states). Raising needs a host read,
 and both in-graph ways tried failed: an assert inside an inductor CPU kernel aborted the whole
 process when it fired in a parallel loop, and a callback op into Python per layer and step cost
@@ -20,6 +25,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+NATIVE_NON_FINITE = "kvq: non-finite input"  # how the native CPU writers' refusal begins (quantize_core.h kNonFiniteInput)
 
 
 class NonFiniteKVError(ValueError):
@@ -60,4 +68,4 @@ def refuse_non_finite(blocks: dict[str, torch.Tensor], first_position: int, laye
             return
 
 
-__all__ = ["NonFiniteKVError", "refuse_non_finite"]
+__all__ = ["NATIVE_NON_FINITE", "NonFiniteKVError", "refuse_non_finite"]

@@ -112,3 +112,51 @@ def test_fp_layers_are_not_checked():
     kv[0][1][0, 0, 3, 3] = float("nan")
     _append(cache, kv, one_by_one=False)
     assert re.search("nan", repr(cache.layers[0].values[0, 0, 3, 3].item()))
+
+
+def test_on_cpu_the_native_writers_check_and_the_append_runs_no_check_of_its_own(monkeypatch):
+    """With the native CPU kernels both writers refuse NaN/Inf in their own pass, so a clean eager
+    append calls no Python check; a bad entry still ends in the named error, before anything of the
+    block is written (keys and values are both encoded first), and a bad sink row is still no error."""
+    import kvq_ao.cache as cache_module
+
+    if not native_cpu.load():
+        pytest.fail("the native CPU kernels did not build here")  # the native path is what this test is about
+    calls = []
+    checked = cache_module.refuse_non_finite
+    monkeypatch.setattr(cache_module, "refuse_non_finite", lambda *a: (calls.append(a), checked(*a)))
+    int4_token = KVQuantConfig(default=LayerKV(QuantSpec(4, "token", 32), QuantSpec(4, "token", 32)), name="int4-token")
+    for cfg, static in ((int4_token, False), (int4_token, True), (_kivi(), False), (_kivi(), True)):
+        cache = QuantizedKVCache(cfg, 2, max_cache_len=128 if static else None)
+        kv = _kv(2, 100, seed=7)
+        _append(cache, [(k[:, :, :60], v[:, :, :60]) for k, v in kv], one_by_one=True)
+        assert calls == [], cfg.name
+        kv[1][1][0, 1, 60, 9] = float("nan")
+        before = [int(layer.get_seq_length()) for layer in cache.layers]
+        with pytest.raises(NonFiniteKVError, match=r"value with nan at position 60 \(layer 1, batch row 0, head 1, stored channel 9\)"):
+            for t in range(60, 100):  # kivi: the token is refused when its block leaves the window
+                for layer, (k, v) in zip(cache.layers, kv):
+                    layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        assert len(calls) == 1, cfg.name  # only to name the entry the kernel refused
+        failed = 1  # the refused append was layer 1's; its length did not move
+        assert int(cache.layers[failed].get_seq_length()) == before[failed] + (t - 60), cfg.name
+        calls.clear()
+    sink = dataclasses.replace(int4_token, sink_tokens=1, residual_length=0, name="int4-token-s1")
+    cache = QuantizedKVCache(sink, 1)
+    kv = _kv(1, 40, seed=8)
+    kv[0][0][0, 0, 0, 0] = float("nan")  # the sink: coded by the per-token format, read from the side store
+    _append(cache, kv, one_by_one=True)
+    assert torch.isnan(cache.layers[0].keys[0, 0, 0, 0]) and torch.isfinite(cache.layers[0].keys[:, :, 1:]).all()
+
+
+def test_a_context_parallel_layer_refuses_non_finite_too():
+    """Its bodies code only their own segments, so the whole block is checked in Python before either is written."""
+    from kvq_ao.parallel import make_context_parallel_cache
+
+    model = tiny_llama(layers=2)
+    quantize_kv_(model, _kivi(window=4))
+    cache = make_context_parallel_cache(model, segment=32)
+    kv = _kv(2, 80, seed=9, d=model.config.head_dim)
+    kv[0][0][0, 1, 40, 3] = float("nan")
+    with pytest.raises(NonFiniteKVError, match=r"key with nan at position 40 \(layer 0, batch row 0, head 1, stored channel 3\)"):
+        _append(cache, kv, one_by_one=True)

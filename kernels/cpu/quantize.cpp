@@ -13,10 +13,22 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "quantize_core.h"
 
 namespace kvq_cpu {
+
+// The error of a NaN/Inf entry at flat index `bad` of x (none when bad < 0), naming its index
+// (both appends raise it: quantize_fixed.cpp declares it).
+void refuse_non_finite(const at::Tensor& x, int64_t bad) {
+  if (bad < 0) return;
+  std::vector<int64_t> index(static_cast<size_t>(x.dim()));
+  for (int64_t d = x.dim() - 1, rest = bad; d >= 0; --d) index[d] = rest % x.size(d), rest /= x.size(d);
+  TORCH_CHECK_VALUE(false, kvq_core::kNonFiniteInput, ": x", at::IntArrayRef(index), " is ", x.reshape(-1)[bad].item<double>(),
+                    "; a quantized cache does not store NaN or Inf");
+}
+
 namespace {
 
 using kvq_core::kMaxDim;
@@ -93,6 +105,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   int64_t clamped = 0;
   if (slices > 0 && tokens > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kvq_quantize", [&] {
+      refuse_non_finite(x, kvq_core::first_non_finite(xc.data_ptr<scalar_t>(), xc.numel()));
       clamped = kvq_core::quantize_groups<scalar_t>(
           xc.data_ptr<scalar_t>(), slices, tokens, heads, static_cast<int>(dim), static_cast<int>(bits), channel,
           static_cast<int>(channel ? block : group), st, mids.data_ptr<float>(), static_cast<int>(mids.numel()),

@@ -115,6 +115,23 @@ int64_t quantize_rows(const T* x, int64_t rows, int64_t tokens, int64_t heads, i
 }
 
 
+// ----------------------------------------------------------------------------- NaN and Inf
+// Both native appends refuse NaN/Inf input (their bodies would hold codes of a NaN range, or a
+// range an Inf erased): an error starting with kNonFiniteInput, which the cache turns into its
+// NonFiniteKVError naming the position and layer (kvq_ao/finite.py). One compare per entry in a
+// pass the compiler vectorizes, so an eager append on CPU needs no check of its own in Python.
+constexpr const char* kNonFiniteInput = "kvq: non-finite input";
+
+template <typename T>
+int64_t first_non_finite(const T* x, int64_t n) {
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) any |= !std::isfinite(static_cast<float>(x[i]));
+  if (!any) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(static_cast<float>(x[i]))) return i;
+  return -1;
+}
+
 // ----------------------------------------------------------------------------- kvq::quantize
 // The metadata dtypes of kvq::quantize (its scale_dtype), as the reference rounds to them.
 enum class ScaleType : int { Half = 0, BFloat16 = 1, Float = 2 };

@@ -20,6 +20,9 @@
 #include "quantize_core.h"
 
 namespace kvq_cpu {
+
+void refuse_non_finite(const at::Tensor& x, int64_t bad);  // quantize.cpp
+
 namespace {
 
 using kvq_core::kMaxDim;
@@ -54,6 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fixed(
   const int64_t rows = x.size(0) * heads * tokens;
   int64_t clamped = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kvq_quantize_fixed", [&] {
+    refuse_non_finite(x, kvq_core::first_non_finite(xc.data_ptr<scalar_t>(), xc.numel()));
     clamped = kvq_core::quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), rows, tokens, heads, static_cast<int>(dim), static_cast<int>(bits),
                                       lo_f.data_ptr<float>(), hi_f.data_ptr<float>(), zero_f.data_ptr<float>(),
                                       scale_f.data_ptr<float>(), mids.data_ptr<float>(), static_cast<int>(mids.numel()),

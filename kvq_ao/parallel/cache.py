@@ -107,7 +107,11 @@ class SegmentedBody:
         if local > self.store.codes.shape[2]:
             self.store.grow(local)
 
-    def write(self, start: int, x: torch.Tensor) -> None:
+    def _encode(self, x: torch.Tensor) -> None:
+        """Nothing ahead of `write`, which codes only the owned parts."""
+        return None
+
+    def write(self, start: int, x: torch.Tensor, encoded: None = None) -> None:
         """Quantize and keep the owned parts of x [B, H, n, D] at positions [start, start + n)."""
         end, pos = start + x.shape[2], start
         while pos < end:
@@ -125,6 +129,8 @@ class ContextParallelLayer(QuantizedLayer):
 
     `update()` returns `ShardedKV` views that the "kvq" attention function hands to
     `kvq_ao.parallel.attention.sharded_attention`."""
+
+    writers_refuse_non_finite = False  # its bodies code only their own segments: the Python check sees the whole block
 
     def __init__(self, spec, plan: ShardPlan, **kwargs):
         if kwargs.get("max_cache_len") is not None:
