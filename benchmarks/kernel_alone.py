@@ -143,7 +143,7 @@ def main() -> None:
                                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
                     runs.setdefault((preset, n, revision), []).append([float(x) for x in line])
     rows = []
-    print(f"\n| format | cached tokens | threads | revision | min ms | median ms | checksum |\n|---|---:|---:|---|---:|---:|---:|")
+    print("\n| format | cached tokens | threads | revision | min ms | median ms | checksum |\n|---|---:|---:|---|---:|---:|---:|")
     for (preset, n, revision), r in runs.items():
         row = dict(format=preset, tokens=args.length, threads=n, revision=revision, commit=commits[revision],
                    min_ms=min(x[1] for x in r), median_ms=statistics.median(x[0] for x in r), checksum=r[0][3])  # fmt: skip

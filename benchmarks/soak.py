@@ -251,7 +251,7 @@ def main(argv=None) -> int:
         rows.append(in_child(soak_kind, kind, args.preset, ids, fp, args.check_every, args.threads))
     out = save_json(args.out, stamp(steps=args.steps, preset=args.preset, rss_slack_mib=RSS_SLACK_MIB, threads=args.threads,
                                     rows=rows))  # fmt: skip
-    print(f"\n| kind | steps | bytes equal at every check | RSS grown after warm-up (bound) | recompiles | agreement first 512 | "
+    print("\n| kind | steps | bytes equal at every check | RSS grown after warm-up (bound) | recompiles | agreement first 512 | "
           "agreement all | quantized from step | agreement quantized: first 512 / all (drift) | ms/step |\n"
           "|---|---:|---|---|---:|---:|---:|---:|---|---:|")  # fmt: skip
     ok = True

@@ -19,7 +19,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 DEFAULT_CONFIGS = ("fp", "int8", "kivi-4", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct", "rot-k4v3",
                    "rot-k3v2", "kvquant-2-rotv")

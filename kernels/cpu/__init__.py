@@ -8,8 +8,9 @@ of calibrated key ranges, in one pass per vector (its reference is a dozen ATen 
 group, codebooks, outliers by either rule), likewise. `load()` compiles it with torch's C++ extension tools (g++ and ninja,
 `-O3 -march=native`, OpenMP as ATen uses it) into the user cache, keyed by the sources, torch's
 version, the compiler flags and this CPU, so it is built once per machine (~30-60 s) and loaded
-in milliseconds afterwards. Once loaded, every CPU call of the op (eager, and compiled graphs,
-which then call the op instead of fusing the reference) runs it.
+in milliseconds afterwards. Once loaded, every CPU call of these ops runs them: eager calls, and
+compiled graphs for decode attention (its decomposition then declines); compiled graphs fuse the
+two writers' reference code instead (`kvq_ao.ops.decompositions`).
 
 Without a working compiler, `load()` warns once and the reference kernels serve CPU as well
 (correct, several times slower at long contexts). `KVQ_AO_NATIVE=0` turns the native kernels off.
