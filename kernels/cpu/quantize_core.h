@@ -51,70 +51,6 @@ inline void pack(const uint8_t* code, int dim, int bits, uint8_t* out) {
   }
 }
 
-// Rows [B * H * T] of x [.., head_dim] coded against their head's ranges; returns the clamped count.
-// parallel_for(n, fn) calls fn(begin, end) over [0, n) in chunks (ATen's thread pool, or a loop);
-// the rows go in tasks of kRowsPerTask.
-constexpr int64_t kRowsPerTask = 64;
-
-template <typename T, typename ParallelFor>
-int64_t quantize_rows(const T* x, int64_t rows, int64_t tokens, int64_t heads, int dim, int bits, const float* lo,
-                      const float* hi, const float* zero, const float* scale, const float* mids, int n_mids, int slots,
-                      uint8_t* codes, T* out_val, uint8_t* out_idx, ParallelFor&& parallel_for) {
-  const int row_bytes = packed_bytes(dim, bits);
-  const float top_code = static_cast<float>((1 << bits) - 1);
-  const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  std::vector<int64_t> clamped(static_cast<size_t>(tasks), 0);  // one count per task: no shared counter
-  parallel_for(tasks, [&](int64_t task_begin, int64_t task_end) {
-    for (int64_t task = task_begin; task < task_end; ++task) {
-      const int64_t begin = task * kRowsPerTask, end = std::min(rows, begin + kRowsPerTask);
-      float dense[kMaxDim], excess[kMaxDim];
-      uint8_t code[kMaxDim];
-      int64_t mine = 0;
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t h = (r / tokens) % heads;
-        const T* xr = x + r * dim;
-        const float *l = lo + h * dim, *u = hi + h * dim, *z = zero + h * dim, *s = scale + h * dim;
-        int outside = 0;
-        for (int c = 0; c < dim; ++c) {
-          const float v = static_cast<float>(xr[c]);
-          // as split_outliers: relu(x - hi) + relu(lo - x) over max(hi - lo, FLT_MIN)
-          const float width = std::max(u[c] - l[c], 1.17549435082228750797e-38f);
-          excess[c] = (std::max(v - u[c], 0.0f) + std::max(l[c] - v, 0.0f)) / width;
-          dense[c] = std::min(std::max(v, l[c]), u[c]);
-          outside += slots > 0 ? (excess[c] > 0.0f) : (v < l[c] || v > u[c]);
-        }
-        int kept = 0;
-        for (int j = 0; j < slots; ++j) {  // every slot holds an exact entry (kvq_ao/format.py): free ones
-          int best = 0;                    // take the lowest other channels, whose excess is 0
-          for (int c = 1; c < dim; ++c)
-            if (excess[c] > excess[best]) best = c;  // strict: the lower channel wins a tie
-          kept += excess[best] > 0.0f;
-          out_val[r * slots + j] = xr[best];
-          out_idx[r * slots + j] = static_cast<uint8_t>(best);
-          excess[best] = -1.0f;
-        }
-        mine += outside - kept;
-        for (int c = 0; c < dim; ++c) {
-          const float q = (dense[c] - z[c]) / (s[c] > 0.0f ? s[c] : 1.0f);
-          if (n_mids > 0) {
-            int k = 0;
-            for (int m = 0; m < n_mids; ++m) k += q > mids[m];
-            code[c] = static_cast<uint8_t>(k);
-          } else {
-            code[c] = static_cast<uint8_t>(std::min(std::max(std::nearbyint(q), 0.0f), top_code));  // to nearest even
-          }
-        }
-        pack(code, dim, bits, codes + r * row_bytes);
-      }
-      clamped[task] = mine;
-    }
-  });
-  int64_t total = 0;
-  for (int64_t c : clamped) total += c;
-  return total;
-}
-
-
 // ----------------------------------------------------------------------------- NaN and Inf
 // Both native appends refuse NaN/Inf input (their bodies would hold codes of a NaN range, or a
 // range an Inf erased): an error starting with kNonFiniteInput, which the cache turns into its
@@ -228,20 +164,22 @@ inline void store_scale(void* out, int64_t i, float v, const ScaleInfo& si) {
 // * lo/hi null and slots > 0 (vector rule, `split_vector_outliers`): the `slots` entries furthest
 //   from the vector's mean kept, each clamped into the range of the rest of its group of `group`
 //   channels (a group of outliers only keeps its own range);
-// * slots 0: the vector itself.
+// * slots 0: the vector itself, or with lo/hi (quantize_fixed) clamped into them and its entries
+//   outside counted.
 template <typename T>
 inline int64_t split_vector(const T* xr, int dim, int slots, const float* l, const float* u, int group, float* dense,
                             T* out_val, uint8_t* out_idx) {
   float score[kMaxDim];
   for (int c = 0; c < dim; ++c) dense[c] = static_cast<float>(xr[c]);
-  if (slots == 0) return 0;
+  if (slots == 0 && l == nullptr) return 0;
   int64_t outside = 0;
   if (l != nullptr) {
     for (int c = 0; c < dim; ++c) {
+      // as split_outliers: relu(x - hi) + relu(lo - x) over max(hi - lo, FLT_MIN)
       const float v = dense[c], width = std::max(u[c] - l[c], 1.17549435082228750797e-38f);
       score[c] = (std::max(v - u[c], 0.0f) + std::max(l[c] - v, 0.0f)) / width;
       dense[c] = std::min(std::max(v, l[c]), u[c]);
-      outside += score[c] > 0.0f;
+      outside += slots > 0 ? score[c] > 0.0f : (v < l[c] || v > u[c]);  // as the reference counts each case
     }
   } else {
     float sum = 0.0f;
@@ -284,6 +222,40 @@ inline uint8_t code_of(float v, float zero, float scale, int levels, const float
     return static_cast<uint8_t>(k);
   }
   return static_cast<uint8_t>(std::min(std::max(std::nearbyint(q), 0.0f), static_cast<float>(levels)));
+}
+
+// Rows [B * H * T] of x [.., head_dim] coded against their head's ranges; returns the clamped count.
+// parallel_for(n, fn) calls fn(begin, end) over [0, n) in chunks (ATen's thread pool, or a loop);
+// the rows go in tasks of kRowsPerTask. The split and the codes are kvq::quantize's (`split_vector`
+// by channel ranges, `code_of`), against one fixed scale/zero per channel.
+constexpr int64_t kRowsPerTask = 64;
+
+template <typename T, typename ParallelFor>
+int64_t quantize_rows(const T* x, int64_t rows, int64_t tokens, int64_t heads, int dim, int bits, const float* lo,
+                      const float* hi, const float* zero, const float* scale, const float* mids, int n_mids, int slots,
+                      uint8_t* codes, T* out_val, uint8_t* out_idx, ParallelFor&& parallel_for) {
+  const int row_bytes = packed_bytes(dim, bits), levels = (1 << bits) - 1;
+  const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<int64_t> clamped(static_cast<size_t>(tasks), 0);  // one count per task: no shared counter
+  parallel_for(tasks, [&](int64_t task_begin, int64_t task_end) {
+    for (int64_t task = task_begin; task < task_end; ++task) {
+      const int64_t begin = task * kRowsPerTask, end = std::min(rows, begin + kRowsPerTask);
+      float dense[kMaxDim];
+      uint8_t code[kMaxDim];
+      int64_t mine = 0;
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t h = (r / tokens) % heads;
+        const float *z = zero + h * dim, *s = scale + h * dim;
+        mine += split_vector(x + r * dim, dim, slots, lo + h * dim, hi + h * dim, dim, dense, out_val + r * slots, out_idx + r * slots);
+        for (int c = 0; c < dim; ++c) code[c] = code_of(dense[c], z[c], s[c], levels, mids, n_mids);
+        pack(code, dim, bits, codes + r * row_bytes);
+      }
+      clamped[task] = mine;
+    }
+  });
+  int64_t total = 0;
+  for (int64_t c : clamped) total += c;
+  return total;
 }
 
 // kvq::quantize of x [slices, tokens, dim] (slices = the leading dims; head = slice % heads picks

@@ -142,6 +142,16 @@ def test_the_extension_and_executorch_sources_compile_for_aarch64(tmp_path):
         assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183
 
 
+def _run_cases(built, name: str, prefix: str, cases: list[tuple], write) -> list:
+    """Write each case with `write(*case, path)`, run the `name` build's runner on them all, return the output paths."""
+    target, binary, directory = built(name)
+    pairs = [(directory / f"{prefix}-{i}.case", directory / f"{prefix}-{i}.{name}.out") for i in range(len(cases))]
+    for case, (path, _) in zip(cases, pairs):
+        write(*case, path)
+    portable.run(target, binary, pairs)
+    return [out for _, out in pairs]
+
+
 def _quantize_cases(n: int) -> list[tuple]:
     """quantize_fixed's arguments (float32 keys: no ties between entries), every width, codebook or
     uniform levels, 0-3 outlier slots, head_dim 64/128/256, random ranges (as test_conformance)."""
@@ -166,13 +176,8 @@ def test_quantize_fixed_is_byte_identical_to_the_reference(built, name):
     """The one-token key append (quantize_core.h): codes, outlier slots and the clamped count, byte for byte."""
     from kvq_ao.kernels import reference
 
-    target, binary, directory = built(name)
     cases = _quantize_cases(24)
-    pairs = [(directory / f"quantize-{i}.case", directory / f"quantize-{i}.{name}.out") for i in range(len(cases))]
-    for case, (path, _) in zip(cases, pairs):
-        portable.write_quantize_case(*case, path)
-    portable.run(target, binary, pairs)
-    for i, (case, (_, out)) in enumerate(zip(cases, pairs)):
+    for i, (case, out) in enumerate(zip(cases, _run_cases(built, name, "quantize", cases, portable.write_quantize_case))):
         got = portable.read_quantize_output(out, case[0].shape, case[-1])
         want = reference.quantize_fixed(*case)
         assert int(got[3]) == int(want[3]), f"case {i}: clamped {int(got[3])} != {int(want[3])}"
@@ -213,13 +218,8 @@ def test_quantize_is_byte_identical_to_the_reference(built, name):
     scales, zeros, outlier slots and the clamped count, byte for byte."""
     from kvq_ao.kernels import reference
 
-    target, binary, directory = built(name)
     cases = _groups_cases(30)
-    pairs = [(directory / f"groups-{i}.case", directory / f"groups-{i}.{name}.out") for i in range(len(cases))]
-    for case, (path, _) in zip(cases, pairs):
-        portable.write_groups_case(*case, path)
-    portable.run(target, binary, pairs)
-    for i, (case, (_, out)) in enumerate(zip(cases, pairs)):
+    for i, (case, out) in enumerate(zip(cases, _run_cases(built, name, "groups", cases, portable.write_groups_case))):
         want = reference.quantize(*case)
         got = portable.read_groups_output(out, case[0].shape, list(want[1].shape), case[2], case[-1])
         for field, a, b in zip(("codes", "scale", "zero", "out_val", "out_idx", "clamped"), got, want):
