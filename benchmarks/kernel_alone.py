@@ -4,7 +4,8 @@ benchmarks/attention.py times the op as a model calls it, through the PyTorch di
 call here) on a VM whose speed drifts between runs. For work on the kernel itself this script
 times `kvq_core::decode_attention` from a small C++ program (benchmarks/kernel_alone.cpp) on the
 same layer attention.py builds (SmolLM2's head shape, random N(0, 1) tokens through the cache's own
-`update()`), with the cache evicted before every call, and alternates the kernel of each given git
+`update()`), with the cache evicted before every call (`--evict-mib` rewritten before each; 0 keeps
+it warm), and alternates the kernel of each given git
 revision round by round so that all see the same phases of the machine. Each row: the min and
 median ms over a round's calls (min over rounds), and a checksum of the output (revisions that
 compute the same thing agree to ~1e-6). `--perf` adds where one thread's time goes in the last
@@ -16,6 +17,7 @@ costs a few cycles against a step's hundreds). What the compiler still inlines c
 
     python benchmarks/kernel_alone.py --revisions ab5d6bd,HEAD --presets kivi-4,kivi-2,kvquant-3-1pct --threads 1,2
     python benchmarks/kernel_alone.py --presets kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct --threads 1 --perf
+    python benchmarks/kernel_alone.py --presets kivi-4,kivi-2,kvquant-3-1pct --evict-mib 0   # warm: the layer stays in cache
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0, help="per revision, preset and thread count in a round")
+    parser.add_argument("--evict-mib", type=int, default=1024,
+                        help="MiB rewritten before each call (64 left a 32k-token layer in the Intel VM's 480 MiB L3; 0: warm)")
     parser.add_argument("--perf", action="store_true", help="add a per-function profile of each preset (needs Linux perf)")
     parser.add_argument("--out", default="results/kernel_alone/kernel_alone.json")
     args = parser.parse_args()
@@ -139,7 +143,7 @@ def main() -> None:
         for preset in presets:
             for n in threads:
                 for revision in revisions:
-                    line = subprocess.run([str(binaries[revision]), str(work / preset), str(args.seconds), str(n)],
+                    line = subprocess.run([str(binaries[revision]), str(work / preset), str(args.seconds), str(n), str(args.evict_mib)],
                                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
                     runs.setdefault((preset, n, revision), []).append([float(x) for x in line])
     rows = []
@@ -157,7 +161,7 @@ def main() -> None:
             profiles.append(dict(format=preset, tokens=args.length, threads=1, commit=commits[revisions[-1]], percent=shares))
             top = ", ".join(f"{name} {share:.0f}%" for name, share in list(shares.items())[:8])
             print(f"{preset}, one thread, share of the kernel's samples: {top}")
-    save_json(args.out, stamp(length=args.length, rows=rows, **({"profiles": profiles} if profiles else {})))
+    save_json(args.out, stamp(length=args.length, evict_mib=args.evict_mib, rows=rows, **({"profiles": profiles} if profiles else {})))
 
 
 if __name__ == "__main__":
