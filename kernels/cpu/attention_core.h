@@ -85,8 +85,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8i splat_i(int32_t x) { return v8i{x, x, x, x, x, x, x, x}; }
 
-// Asks for the cache lines that start within [p, p + bytes) (a row kPrefetchRows ahead of the
+// Asks for the cache lines that start within [lo, lo + bytes) (a row kPrefetchRows ahead of the
 // one being read), so that called once per row, in order, it asks for every line of a stream once.
 // Why: a layer's cache arrives cold (the rest of the model's step evicts it), and the hardware
 // prefetchers left the tile loop waiting on memory: kivi-4 at 32k tokens took 3.3 ms cold against
@@ -97,7 +98,7 @@ inline void prefetch_lines_starting(uintptr_t lo, int64_t bytes) {
   const uintptr_t hi = lo + bytes;
   for (uintptr_t a = (lo + 63) & ~uintptr_t{63}; a < hi; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 3);
 }
-inline v8i splat_i(int32_t x) { return v8i{x, x, x, x, x, x, x, x}; }
+
 #if defined(__ARM_NEON)
 // Arm (NEON, every aarch64 CPU): GCC lowers the 8-lane vectors to pairs of 128-bit registers, but
 // byte widening, table lookups and horizontal sums have no generic form it turns into NEON (they
