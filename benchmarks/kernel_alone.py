@@ -87,11 +87,11 @@ def function_name(symbol: str) -> str:
     return head.rsplit("::", 1)[-1] or symbol
 
 
-def profile(binary: Path, dump: Path, seconds: float) -> dict[str, float]:
+def profile(binary: Path, dump: Path, seconds: float, evict_mib: int) -> dict[str, float]:
     """Percent of the kernel's samples per function, one thread, largest first (those under 0.5%
     together)."""
     data = dump / "perf.data"
-    subprocess.run(["perf", "record", "-q", "-o", str(data), str(binary), str(dump), str(seconds), "1"], check=True,
+    subprocess.run(["perf", "record", "-q", "-o", str(data), str(binary), str(dump), str(seconds), "1", str(evict_mib)], check=True,
                    capture_output=True)  # fmt: skip
     report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "sym"], check=True,
                             capture_output=True, text=True).stdout  # fmt: skip
@@ -157,7 +157,7 @@ def main() -> None:
     if args.perf:
         profiled = build(revisions[-1], work / "profiled", "-DKVQ_PROFILED=__attribute__((noinline))")
         for preset in presets:
-            shares = profile(profiled, work / preset, args.seconds)
+            shares = profile(profiled, work / preset, args.seconds, args.evict_mib)
             profiles.append(dict(format=preset, tokens=args.length, threads=1, commit=commits[revisions[-1]], percent=shares))
             top = ", ".join(f"{name} {share:.0f}%" for name, share in list(shares.items())[:8])
             print(f"{preset}, one thread, share of the kernel's samples: {top}")
