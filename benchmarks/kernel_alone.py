@@ -5,8 +5,8 @@ call here) on a VM whose speed drifts between runs. For work on the kernel itsel
 times `kvq_core::decode_attention` from a small C++ program (benchmarks/kernel_alone.cpp) on the
 same layer attention.py builds (SmolLM2's head shape, random N(0, 1) tokens through the cache's own
 `update()`), with the cache evicted before every call (`--evict-mib` rewritten before each; 0 keeps
-it warm), and alternates the kernel of each given git
-revision round by round so that all see the same phases of the machine. Each row: the min and
+it warm), and alternates the kernel of each given git revision round by round so that all see the
+same phases of the machine. Each row: the min and
 median ms over a round's calls (min over rounds), and a checksum of the output (revisions that
 compute the same thing agree to ~1e-6). `--perf` adds where one thread's time goes in the last
 revision's kernel: Linux perf's user-space samples by function, as shares of the kernel's own (the
