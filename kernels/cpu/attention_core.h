@@ -196,8 +196,21 @@ template <int N, int BITS = 4> inline typename Vec<N>::f lookupv(typename Vec<N>
   for (int l = 0; l < N; ++l) v[l] = table[code[l]];
   return v;
 }
+// code_words for N lanes: the N code words at byte j of a row (j + N <= P).
+template <int BITS, int N> inline typename Vec<N>::i code_words_v(const uint8_t* row, int j, int P) {
+  if constexpr (N == 8) return code_words<BITS>(row, j, P);
+  typename Vec<N>::i word = bytesv<N>(row + j);
+  if constexpr (BITS == 3) word = word | (bytesv<N>(row + P + j) << 8) | (bytesv<N>(row + 2 * P + j) << 16);
+  return word;
+}
 // The 8 lanes of a + the 8 lanes of b, as one v8f (halves of 16-lane sums).
 inline v8f fold16(Vec<16>::f v) {
+#if defined(__AVX512F__)
+  // in registers: halves through memory cost a failed store-to-load forward (a 64-byte store read
+  // back as two 32-byte loads) on every fold, a seventh of the wide key scores' time
+  const __m512d x = reinterpret_cast<__m512d>(v);
+  return reinterpret_cast<v8f>(_mm256_add_ps(_mm256_castpd_ps(_mm512_castpd512_pd256(x)), _mm256_castpd_ps(_mm512_extractf64x4_pd(x, 1))));
+#endif
   v8f lo, hi;
   std::memcpy(&lo, &v, sizeof(lo));
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
@@ -229,21 +242,42 @@ inline void hsum8x8(const v8f* a, float* out) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// out[r] = sum of the 16 lanes of a[r], r < 8: halves, then quarters, then pairs of lanes of two
+// rows added in one register each step (24 instructions; folding each row to 8 lanes first and
+// then hsum8x8 took about 40, a tenth of the wide key scores' time).
+inline void hsum8x8(const Vec<16>::f* a, float* out) {
+  auto m = [](Vec<16>::f v) { return reinterpret_cast<__m512>(v); };
+  __m512 h[4], q[2];
+  for (int r = 0; r < 4; ++r)  // rows 2r, 2r + 1: [row 2r 8 lanes | row 2r + 1 8 lanes]
+    h[r] = _mm512_add_ps(_mm512_shuffle_f32x4(m(a[2 * r]), m(a[2 * r + 1]), 0x44), _mm512_shuffle_f32x4(m(a[2 * r]), m(a[2 * r + 1]), 0xee));
+  for (int r = 0; r < 2; ++r)  // rows 4r .. 4r + 3, 4 lanes each
+    q[r] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * r], h[2 * r + 1], 0x88), _mm512_shuffle_f32x4(h[2 * r], h[2 * r + 1], 0xdd));
+  // 128-bit block k of q[0] holds row k (of the first 4), of q[1] row k + 4: two lanes each, then one
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], 0x44), _mm512_shuffle_ps(q[0], q[1], 0xee));
+  const __m512 f = _mm512_add_ps(e, _mm512_shuffle_ps(e, e, 0xb1));  // block k: [row k, row k, row k + 4, row k + 4]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, f)));
+}
+#endif
+
 // exp(x) for x <= 0 (scores minus their running max), 8 lanes: 2^n * P(r), |rel err| < 2e-7.
-inline v8f exp8(v8f x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8f n = (x * splat(1.44269504f) + magic) - magic;
-  v8f r = x - n * splat(0.693145751953125f) - n * splat(1.428606765330187e-06f);
-  v8f p = splat(1.0f / 720);
-  p = p * r + splat(1.0f / 120);
-  p = p * r + splat(1.0f / 24);
-  p = p * r + splat(1.0f / 6);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
-  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
+template <int N>
+inline typename Vec<N>::f expv(typename Vec<N>::f x) {
+  typedef typename Vec<N>::f vf;
+  x = x < splatv<N>(-87.0f) ? splatv<N>(-87.0f) : x;
+  const vf magic = splatv<N>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (x * splatv<N>(1.44269504f) + magic) - magic;
+  vf r = x - n * splatv<N>(0.693145751953125f) - n * splatv<N>(1.428606765330187e-06f);
+  vf p = splatv<N>(1.0f / 720);
+  p = p * r + splatv<N>(1.0f / 120);
+  p = p * r + splatv<N>(1.0f / 24);
+  p = p * r + splatv<N>(1.0f / 6);
+  p = p * r + splatv<N>(0.5f);
+  p = p * r + splatv<N>(1.0f);
+  p = p * r + splatv<N>(1.0f);
+  typename Vec<N>::i e = (__builtin_convertvector(n, typename Vec<N>::i) + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
 }
@@ -551,7 +585,7 @@ struct Operand {
                  Scratch& tmp) const;
   void direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv, const Scratch& tmp,
                          int64_t bh, int64_t T, int64_t t0) const;
-  void token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum) const;
+  void token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum, int group_stride = kTile) const;
   void add_zero_sums(float* acc, const float* zsum) const;
 
   // acc[d] += p_j * (exact - dense) for each outlier of the tile's tokens `first + j` that p_j
@@ -694,55 +728,83 @@ struct Operand {
   // sweep a row's planes in two halves, so one unpacked level still serves three heads.
   template <int BITS>
   static constexpr int sweep_planes() { return BITS == 8 ? 1 : BITS == 4 ? 2 : 4; }
+  static constexpr int kPass = 4;  // the most heads of one fused value pass (max_pass_heads)
   template <int BITS>
   static constexpr int max_pass_heads() { return BITS == 4 || BITS == 8 ? 4 : 3; }
 
   // The bare levels (the integer grid, or the codebook) of plane i of 8 code words (code_words).
-  template <int BITS, bool CB>
-  v8f plane_levels(v8i word, int i) const {
+  template <int BITS, bool CB, int N = 8>
+  typename Vec<N>::f plane_levels(typename Vec<N>::i word, int i) const {
     constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
-    const v8i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
-    return CB ? lookupv<8, BITS>(code, levels) : __builtin_convertvector(code, v8f);
+#if defined(__AVX512F__)
+    if constexpr (N == 16 && (BITS == 4 || (BITS == 2 && !CB))) {
+      // vpermps reads only an index's low 4 bits, so the codes of the planes above need no mask:
+      // a 16-entry table (the grid repeated every 2^BITS entries, or the 4-bit codebook) in one step
+      const __m512 table = CB ? _mm512_loadu_ps(levels)
+                              : _mm512_cvtepi32_ps(_mm512_and_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                                    _mm512_set1_epi32(kMask)));
+      return reinterpret_cast<typename Vec<N>::f>(_mm512_permutexvar_ps(reinterpret_cast<__m512i>(word >> (i * BITS)), table));
+    }
+#endif
+    const typename Vec<N>::i code = BITS == 8 ? word : (word >> (i * BITS)) & kMask;
+    return CB ? lookupv<N, BITS>(code, levels) : __builtin_convertvector(code, typename Vec<N>::f);
   }
+
+  // Lanes of the fused loops' channel blocks: kWide (16 on AVX-512) where a plane is whole 16-byte
+  // blocks and, for values, a group of channels whole 16-channel blocks; else 8. 16 lanes halve the
+  // unpack and FMA instructions per row (the loops are bound by instructions once the rows are
+  // prefetched); a value lane still accumulates one channel in the same order, a key score's lanes
+  // are summed in another order (a float rounding apart).
+  template <int BITS>
+  bool wide_scores() const { return kWide == 16 && BITS != 3 && (dim / kPlanesOf<BITS>) % 16 == 0; }
+  template <int BITS>
+  bool wide_values() const { return wide_scores<BITS>() && group % 16 == 0; }
 
   // scores[h * kTile + j] = qs[h] . levels of token `first + j`, j < count, h < NH (qs rows `dim`
   // apart): each row's codes unpacked in registers and consumed there, no level tile written.
   template <int BITS, bool CB, int NH>
   void fused_scores(const float* qs, int64_t first, int count, float* scores) const {
+    if (wide_scores<BITS>()) fused_scores_n<BITS, CB, NH, kWide>(qs, first, count, scores);
+    else fused_scores_n<BITS, CB, NH, 8>(qs, first, count, scores);
+  }
+  template <int BITS, bool CB, int NH, int N>
+  void fused_scores_n(const float* qs, int64_t first, int count, float* scores) const {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
-    v8f part[NH][8];
+    typename Vec<N>::f part[NH][8];
     for (int j0 = 0; j0 < count; j0 += 8) {
       const int n = std::min(8, count - j0);
       for (int j = j0; j < j0 + n; ++j) prefetch_ahead(src, j);
       int jj = 0;
-      for (; jj + 2 <= n; jj += 2) fused_row_block<BITS, CB, NH, 2>(qs, src + (j0 + jj) * row_bytes, part, jj);
-      if (jj < n) fused_row_block<BITS, CB, NH, 1>(qs, src + (j0 + jj) * row_bytes, part, jj);
+      for (; jj + 2 <= n; jj += 2) fused_row_block<BITS, CB, NH, 2, N>(qs, src + (j0 + jj) * row_bytes, part, jj);
+      if (jj < n) fused_row_block<BITS, CB, NH, 1, N>(qs, src + (j0 + jj) * row_bytes, part, jj);
       for (int h = 0; h < NH; ++h) {
         if (n == 8) hsum8x8(part[h], scores + h * kTile + j0);
-        else for (int jj = 0; jj < n; ++jj) scores[h * kTile + j0 + jj] = hsum(part[h][jj]);
+        else for (int jj = 0; jj < n; ++jj) scores[h * kTile + j0 + jj] = hsum(fold16(part[h][jj]));
       }
     }
   }
 
   // part[h][jj + r] = lane-wise products of q row h with the levels of row r, r < ROWS (rows
   // `row_bytes` apart from `rows`). The loop is bound by loads, so each q vector is loaded once for
-  // all ROWS rows; a row alone alternates two accumulators by plane so its FMAs do not wait on each other.
-  template <int BITS, bool CB, int NH, int ROWS>
-  void fused_row_block(const float* qs, const uint8_t* rows, v8f (&part)[NH][8], int jj) const {
+  // all ROWS rows; a row alone alternates two accumulators by plane so its FMAs do not wait on each
+  // other. N lanes a channel block (wide_scores).
+  template <int BITS, bool CB, int NH, int ROWS, int N = 8>
+  void fused_row_block(const float* qs, const uint8_t* rows, typename Vec<N>::f (&part)[NH][8], int jj) const {
+    typedef typename Vec<N>::f vf;
     constexpr int kPlanes = kPlanesOf<BITS>, kChains = ROWS == 1 ? 2 : 1;
     const int P = dim / kPlanes;
-    v8f s[kChains][ROWS][NH];
+    vf s[kChains][ROWS][NH];
     for (int c = 0; c < kChains; ++c)
       for (int r = 0; r < ROWS; ++r)
-        for (int h = 0; h < NH; ++h) s[c][r][h] = splat(0.f);
-    for (int jb = 0; jb < P; jb += 8) {
-      v8i word[ROWS];
-      for (int r = 0; r < ROWS; ++r) word[r] = code_words<BITS>(rows + r * row_bytes, jb, P);
+        for (int h = 0; h < NH; ++h) s[c][r][h] = splatv<N>(0.f);
+    for (int jb = 0; jb < P; jb += N) {
+      typename Vec<N>::i word[ROWS];
+      for (int r = 0; r < ROWS; ++r) word[r] = code_words_v<BITS, N>(rows + r * row_bytes, jb, P);
       for (int i = 0; i < kPlanes; ++i) {
-        v8f level[ROWS];
-        for (int r = 0; r < ROWS; ++r) level[r] = plane_levels<BITS, CB>(word[r], i);
+        vf level[ROWS];
+        for (int r = 0; r < ROWS; ++r) level[r] = plane_levels<BITS, CB, N>(word[r], i);
         for (int h = 0; h < NH; ++h) {
-          const v8f qv = load8(qs + h * dim + i * P + jb);
+          const vf qv = loadv<N>(qs + h * dim + i * P + jb);
           for (int r = 0; r < ROWS; ++r) s[i % kChains][r][h] += qv * level[r];
         }
       }
@@ -805,36 +867,40 @@ struct Operand {
   // few outlier slots a vector (each costs two compares and blends per block).
   bool rope_fusable() const { return fusable() && dim % 16 == 0 && n_out <= kMaxRopeSlots; }
 
-  // acc[h][c] = acc[h][c] * correction[h] + zsum[h][c / group] + sum_j w[h][c / group][j] * level_j[c]
-  // for h < NH, the tokens `first + j`, j < count (w rows [NH][groups][kTile], zsum rows kZsum
+  // acc[h][c] = acc[h][c] * correction[h] + zsum[h][c / group] + sum_j w[c / group][h][j] * level_j[c]
+  // for h < NH, the tokens `first + j`, j < count (w rows [groups][kPass][kTile], zsum rows kZsum
   // apart: the zeros' share, added with the correction, not in a pass of its own): the accumulators of a block of
   // channels stay in registers over the tile while each row's codes are unpacked once for all NH heads.
-  template <int BITS, bool CB, int NH>
+  // N lanes a channel block (wide_values): each lane still one channel, its sum in the same order.
+  // The heads' weights of a group lie kTile apart, so a plane's weights are one pointer and fixed
+  // offsets (a pointer per head and plane spilled: a fifth of the loop's samples were reloads).
+  template <int BITS, bool CB, int NH, int N = 8>
   void fused_accumulate(float* const* acc, const float* correction, const float* w, const float* zsum, int64_t first, int count) const {
+    typedef typename Vec<N>::f vf;
     constexpr int kPlanes = kPlanesOf<BITS>;
-    const int P = dim / kPlanes, groups = dim / group;
+    const int P = dim / kPlanes;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     constexpr int kSweep = sweep_planes<BITS>();
-    for (int jb = 0; jb < P; jb += 8)
+    for (int jb = 0; jb < P; jb += N)
       for (int p0 = 0; p0 < kPlanes; p0 += kSweep) {  // planes [p0, p0 + kSweep) of word block jb
-        v8f a[NH][kSweep];
-        const float* wr[NH][kSweep];
-        for (int h = 0; h < NH; ++h)
-          for (int i = 0; i < kSweep; ++i) {
-            const int c = (p0 + i) * P + jb;
-            a[h][i] = load8(acc[h] + c) * splat(correction[h]) + splat(zsum[h * kZsum + c / group]);
-            wr[h][i] = w + (h * groups + c / group) * kTile;
-          }
+        vf a[NH][kSweep];
+        const float* wr[kSweep];
+        for (int i = 0; i < kSweep; ++i) {
+          const int c = (p0 + i) * P + jb;
+          wr[i] = w + c / group * kPass * kTile;
+          for (int h = 0; h < NH; ++h)
+            a[h][i] = loadv<N>(acc[h] + c) * splatv<N>(correction[h]) + splatv<N>(zsum[h * kZsum + c / group]);
+        }
         for (int j = 0; j < count; ++j) {
           if (jb == 0 && p0 == 0) prefetch_ahead(src, j);  // the first sweep over the rows
-          const v8i word = code_words<BITS>(src + j * row_bytes, jb, P);
+          const typename Vec<N>::i word = code_words_v<BITS, N>(src + j * row_bytes, jb, P);
           for (int i = 0; i < kSweep; ++i) {
-            const v8f level = plane_levels<BITS, CB>(word, p0 + i);
-            for (int h = 0; h < NH; ++h) a[h][i] += splat(wr[h][i][j]) * level;
+            const vf level = plane_levels<BITS, CB, N>(word, p0 + i);
+            for (int h = 0; h < NH; ++h) a[h][i] += splatv<N>(wr[i][h * kTile + j]) * level;
           }
         }
         for (int h = 0; h < NH; ++h)
-          for (int i = 0; i < kSweep; ++i) store8(acc[h] + (p0 + i) * P + jb, a[h][i]);
+          for (int i = 0; i < kSweep; ++i) storev<N>(acc[h] + (p0 + i) * P + jb, a[h][i]);
       }
   }
 
@@ -1204,10 +1270,18 @@ KVQ_PROFILED inline float softmax_step(const float* sh, int count, float best, P
   const float new_max = std::max(part.max, best);
   const float correction = part.max == kNegInf ? 0.f : std::exp(part.max - new_max);
   int i = 0;
-  v8f sum8 = splat(0.f);
+  typedef typename Vec<kWide>::f vf;
+  vf sum = splatv<kWide>(0.f);
+  for (; i + kWide <= count; i += kWide) {  // 16 lanes on AVX-512: half the exp polynomials' steps
+    const vf s = loadv<kWide>(sh + i);
+    const vf p = s == splatv<kWide>(kNegInf) ? splatv<kWide>(0.f) : expv<kWide>(s - splatv<kWide>(new_max));
+    storev<kWide>(probs + i, p);
+    sum += p;
+  }
+  v8f sum8 = fold16(sum);
   for (; i + 8 <= count; i += 8) {
     const v8f s = load8(sh + i);
-    const v8f p = s == splat(kNegInf) ? splat(0.f) : exp8(s - splat(new_max));
+    const v8f p = s == splat(kNegInf) ? splat(0.f) : expv<8>(s - splat(new_max));
     store8(probs + i, p);
     sum8 += p;
   }
@@ -1298,11 +1372,11 @@ void Operand::rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const floa
 // The softmax weights of a tile's values in per-token groups: w[g][j] = p_j * scale_jg (rows kTile
 // apart) and zsum[g] = sum_j p_j * zero_jg. Hidden tokens (p = 0) contribute nothing, whatever
 // their scale.
-void Operand::token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum) const {
+void Operand::token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum, int group_stride) const {
   for (int g = 0; g < dim / group; ++g) {
     const float* sc = tmp.tile_scale + g * kTile;
     const float* zc = tmp.tile_zero + g * kTile;
-    float* wg = w + g * kTile;
+    float* wg = w + g * group_stride;
     v8f z = splat(0.f);
     int j = 0;
     for (; j + 8 <= count; j += 8) {
@@ -1344,8 +1418,7 @@ void Operand::direct_accumulate(float* acc, float correction, const float* probs
 void Operand::fused_values(Partial* parts, const float* correction, const float* probs, const float* best_of, int n_heads,
                            int count, const Scratch& tmp, int64_t bh, int64_t T, int64_t t0) const {
   const int groups = dim / group;
-  constexpr int kPass = 4;
-  alignas(64) float w[kPass * kMaxHeadDim / 8 * kTile];  // [head of the pass][group][token]
+  alignas(64) float w[kPass * kMaxHeadDim / 8 * kTile];  // [group][head of the pass][token]
   float zsum[kPass][kZsum];
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
   with_format([&](auto bits_c, auto cb_c) {
@@ -1363,15 +1436,20 @@ void Operand::fused_values(Partial* parts, const float* correction, const float*
         const float* ph = probs + heads[k] * kTile;
         acc[k] = parts[heads[k]].acc;
         corr[k] = correction[heads[k]];
-        token_weights(ph, count, tmp, w + k * groups * kTile, zsum[k]);
+        token_weights(ph, count, tmp, w + k * kTile, zsum[k], kPass * kTile);
       }
       const int64_t first = bh * T + t0;
-      switch (n) {
-        case 1: fused_accumulate<B, CB, 1>(acc, corr, w, &zsum[0][0], first, count); break;
-        case 2: if constexpr (kMax >= 2) fused_accumulate<B, CB, 2>(acc, corr, w, &zsum[0][0], first, count); break;
-        case 3: if constexpr (kMax >= 3) fused_accumulate<B, CB, 3>(acc, corr, w, &zsum[0][0], first, count); break;
-        default: if constexpr (kMax >= 4) fused_accumulate<B, CB, 4>(acc, corr, w, &zsum[0][0], first, count); break;
-      }
+      auto pass = [&](auto lanes_c) {
+        constexpr int N = decltype(lanes_c)::value;
+        switch (n) {
+          case 1: fused_accumulate<B, CB, 1, N>(acc, corr, w, &zsum[0][0], first, count); break;
+          case 2: if constexpr (kMax >= 2) fused_accumulate<B, CB, 2, N>(acc, corr, w, &zsum[0][0], first, count); break;
+          case 3: if constexpr (kMax >= 3) fused_accumulate<B, CB, 3, N>(acc, corr, w, &zsum[0][0], first, count); break;
+          default: if constexpr (kMax >= 4) fused_accumulate<B, CB, 4, N>(acc, corr, w, &zsum[0][0], first, count); break;
+        }
+      };
+      if (wide_values<B>()) pass(std::integral_constant<int, kWide>{});
+      else pass(std::integral_constant<int, 8>{});
       for (int k = 0; k < n; ++k) {
         correct_value_outliers(acc[k], probs + heads[k] * kTile, count, tmp, first,
                                [&](int j, int d) { return level_at(rows + j * row_bytes, d); });
