@@ -775,6 +775,7 @@ struct Operand {
       const int n = std::min(8, count - j0);
       for (int j = j0; j < j0 + n; ++j) prefetch_ahead(src, j);
       int jj = 0;
+      if constexpr (N == 16) for (; jj + 4 <= n; jj += 4) fused_row_block<BITS, CB, NH, 4, N>(qs, src + (j0 + jj) * row_bytes, part, jj);
       for (; jj + 2 <= n; jj += 2) fused_row_block<BITS, CB, NH, 2, N>(qs, src + (j0 + jj) * row_bytes, part, jj);
       if (jj < n) fused_row_block<BITS, CB, NH, 1, N>(qs, src + (j0 + jj) * row_bytes, part, jj);
       for (int h = 0; h < NH; ++h) {
