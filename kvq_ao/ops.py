@@ -336,6 +336,29 @@ def _decode_attention_out_fake(*args, out: torch.Tensor, **kwargs) -> torch.Tens
     return out
 
 
+# The append's out variant, for the same programs: kvq::quantize's arguments (as custom_op typed
+# them: ExecuTorch pairs the two by signature), then its six outputs.
+_LIB.define(
+    "quantize.out(Tensor x, SymInt[] format, ScalarType scale_dtype, Tensor codebook, Tensor lo, Tensor hi, SymInt n_outliers, *, "
+    "Tensor(a!) codes, Tensor(b!) scale, Tensor(c!) zero, Tensor(d!) out_val, Tensor(e!) out_idx, Tensor(f!) clamped) "
+    "-> (Tensor(a!), Tensor(b!), Tensor(c!), Tensor(d!), Tensor(e!), Tensor(f!))"
+)
+
+
+@torch.library.impl(_LIB, "quantize.out", "CompositeExplicitAutograd")
+def _quantize_out(x, format, scale_dtype, codebook, lo, hi, n_outliers, *, codes, scale, zero, out_val, out_idx, clamped):
+    outs = (codes, scale, zero, out_val, out_idx, clamped)
+    for out, value in zip(outs, torch.ops.kvq.quantize.default(x, format, scale_dtype, codebook, lo, hi, n_outliers)):
+        out.copy_(value)
+    return outs
+
+
+@torch.library.register_fake("kvq::quantize.out", lib=_LIB)
+def _quantize_out_fake(x, format, scale_dtype, codebook, lo, hi, n_outliers, *, codes, scale, zero, out_val, out_idx, clamped):
+    _check_quantize(x, format, codebook, lo, hi, n_outliers, scale_dtype)
+    return codes, scale, zero, out_val, out_idx, clamped
+
+
 def _check_operand(o: Operand, name: str) -> None:
     _check_format(o.bits, o.axis, o.group, allow_fp=True)
     for field in ("codes", "side"):

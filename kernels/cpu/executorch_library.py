@@ -1,8 +1,9 @@
 """The kvq kernel library for the ExecuTorch runtime, built from the same C++ as the PyTorch op.
 
-`executorch_ops.cpp` registers `kvq::decode_attention.out` in ExecuTorch's kernel registry; the
-arithmetic is `attention_core.h`, which the PyTorch CPU op (`decode_attention.cpp`) also runs. A
-`.pte` exported with native kvq kernels calls that op, so the library must be loaded into the
+`executorch_ops.cpp` registers `kvq::decode_attention.out` and `kvq::quantize.out` in ExecuTorch's
+kernel registry; the arithmetic is `attention_core.h` and `quantize_core.h`, which the PyTorch CPU
+ops (`decode_attention.cpp`, `quantize.cpp`) also run. A `.pte` exported with native kvq kernels
+calls those ops, so the library must be loaded into the
 process before the program's method is loaded: `ExecuTorchRunner` does it, others call `load()`.
 
 It is compiled with g++ against the headers and `libexecutorch.so` that the executorch wheel

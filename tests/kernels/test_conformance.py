@@ -212,8 +212,35 @@ def test_chunk_with_a_per_head_mask_in_half_precision(backend):
 
 
 # ----------------------------------------------------------------------------- quantize and quantize_fixed
+class _OneQuantize(torch.nn.Module):
+    """kvq::quantize on (x, codebook, lo, hi), its format, scale dtype and slot count fixed at export."""
+
+    def __init__(self, format, scale_dtype, n_outliers):
+        super().__init__()
+        self.format, self.scale_dtype, self.n_outliers = format, scale_dtype, n_outliers
+
+    def forward(self, x, codebook, lo, hi):
+        return torch.ops.kvq.quantize(x, self.format, self.scale_dtype, codebook, lo, hi, self.n_outliers)
+
+
+def _executorch_quantize(x, format, scale_dtype, codebook, lo, hi, n_outliers):
+    """The append through a one-op `.pte` whose quantizer is `kvq::quantize.out` of the kvq
+    ExecuTorch kernel library (what `export_executorch(kvq_kernels="native")` programs call)."""
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    inputs = (x, codebook, lo, hi)
+    program = torch.export.export(_OneQuantize(list(format), scale_dtype, n_outliers), inputs, strict=False)
+    pte = to_edge(program).to_executorch()
+    ops = {str(n.target) for n in pte.exported_program().graph.nodes if n.op == "call_function"}
+    assert any("kvq.quantize.out" in op for op in ops), ops  # the kernel library's op, not a decomposition
+    method = Runtime.get().load_program(pte.buffer).load_method("forward")
+    return method.execute(list(inputs))
+
+
 QUANTIZERS = {  # name -> (availability, kvq.quantize implementation or None, kvq.quantize_fixed implementation or None)
     "native-cpu": (_native_available, torch.ops.kvq.quantize, torch.ops.kvq.quantize_fixed),
+    "executorch": (_executorch_available, _executorch_quantize, None),
     "triton-interpreter": (_triton_available, lambda *a: torch.ops.kvq.triton_quantize(*a),
                            lambda *a: torch.ops.kvq.triton_quantize_fixed(*a)),
 }
