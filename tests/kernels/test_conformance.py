@@ -307,6 +307,22 @@ def test_quantize_is_byte_identical_at_any_magnitude(backend, seed, bits, codebo
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{name} differs"
 
 
+def test_executorch_quantize_refuses_nan_and_inf():
+    """The .pte's native append fails the step on a NaN or Inf, as the eager append raises: a
+    quantized cache does not store them (the runtime logs which index)."""
+    why = _executorch_available()
+    if why:
+        pytest.skip(f"executorch: {why}")
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(0))
+        x[0, 1, 2, 5] = bad
+        with pytest.raises(RuntimeError, match="execute"):
+            _executorch_quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)
+    x[0, 1, 2, 5] = 0.0  # the same program shape with finite input runs
+    assert len(_executorch_quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0),
+                                    torch.zeros(0), 0)) == 6  # fmt: skip
+
+
 def test_native_quantize_takes_any_leading_dims_and_one_row_for_every_position():
     """Without outliers kvq.quantize takes [..., T, D] (a 3-d and a 5-d x here) and per-channel
     ranges over every position (`ONE_ROW`), as the reference does."""
