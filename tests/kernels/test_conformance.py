@@ -310,17 +310,14 @@ def test_quantize_is_byte_identical_at_any_magnitude(backend, seed, bits, codebo
 def test_executorch_quantize_refuses_nan_and_inf():
     """The .pte's native append fails the step on a NaN or Inf, as the eager append raises: a
     quantized cache does not store them (the runtime logs which index)."""
-    why = _executorch_available()
-    if why:
-        pytest.skip(f"executorch: {why}")
+    quantize = _quantizer("executorch", 0)
     for bad in (float("nan"), float("inf")):
         x = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(0))
         x[0, 1, 2, 5] = bad
         with pytest.raises(RuntimeError, match="execute"):
-            _executorch_quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)
+            quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)
     x[0, 1, 2, 5] = 0.0  # the same program shape with finite input runs
-    assert len(_executorch_quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0),
-                                    torch.zeros(0), 0)) == 6  # fmt: skip
+    assert len(quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)) == 6
 
 
 def test_native_quantize_takes_any_leading_dims_and_one_row_for_every_position():
