@@ -105,8 +105,8 @@ def export_decode_step(step: torch.nn.Module, decompose: bool = True, native_att
     """torch.export a decode step (strict mode: non-strict failed in lowering on this stack).
 
     decompose: lower the kvq ops to the reference kernels (core ATen). native_attention keeps the
-    decode attention and the append's quantizer `kvq::decode_attention` and `kvq::quantize` calls,
-    for runtimes with the kvq kernel library.
+    decode attention and the append's quantizers `kvq::decode_attention`, `kvq::quantize` and
+    `kvq::quantize_fixed` calls, for runtimes with the kvq kernel library.
     """
     example = (torch.tensor([[0]], dtype=torch.long), torch.tensor([0], dtype=torch.long))
     with torch.no_grad():
@@ -117,6 +117,7 @@ def export_decode_step(step: torch.nn.Module, decompose: bool = True, native_att
     if native_attention:
         del table[torch.ops.kvq.decode_attention.default]
         del table[torch.ops.kvq.quantize.default]
+        del table[torch.ops.kvq.quantize_fixed.default]
     return program.run_decompositions(table)
 
 

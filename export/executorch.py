@@ -30,7 +30,7 @@ class ExportedPte:
     path: Path
     mutable_buffers: dict[str, tuple[torch.dtype, int]]  # name -> (dtype, bytes), as lowered
     delegate_calls: int = 0  # calls into a backend delegate (XNNPACK) in the lowered program
-    kvq_kernels: str = "portable"  # "native": the program calls kvq::decode_attention.out and kvq::quantize.out
+    kvq_kernels: str = "portable"  # "native": the program calls the kvq ops' out variants (attention, append)
 
     @property
     def cache_bytes(self) -> int:
@@ -100,8 +100,8 @@ def export_executorch(model, config: KVQuantConfig, path: str | Path, max_seq_le
     backend: "xnnpack" (linear layers delegated to XNNPACK, the fast default) or "portable"
     (every op on ExecuTorch's portable kernels: slow, but no delegate in the program).
     kvq_kernels: "native" (the decode attention calls `kvq::decode_attention.out` and the append's
-    quantizer `kvq::quantize.out`, the C++ kernels of the kvq ExecuTorch kernel library, which the
-    runner must load; calibrated key ranges still append through portable ops), "portable" (both
+    quantizers `kvq::quantize.out` and, for calibrated key ranges, `kvq::quantize_fixed.out`: the C++
+    kernels of the kvq ExecuTorch kernel library, which the runner must load), "portable" (all
     decomposed into portable ops: runs anywhere, slowly), or "auto" (native if the library
     builds on this machine, else portable with a warning).
     prefix_ids: tokens whose cache the program starts with (a fixed system prompt, or a long

@@ -359,6 +359,28 @@ def _quantize_out_fake(x, format, scale_dtype, codebook, lo, hi, n_outliers, *, 
     return codes, scale, zero, out_val, out_idx, clamped
 
 
+# The calibrated-range append's out variant (KVQuant's per-channel keys), likewise.
+_LIB.define(
+    "quantize_fixed.out(Tensor x, SymInt bits, Tensor zero, Tensor scale, Tensor codebook, Tensor lo, Tensor hi, SymInt n_outliers, "
+    "*, Tensor(a!) codes, Tensor(b!) out_val, Tensor(c!) out_idx, Tensor(d!) clamped) "
+    "-> (Tensor(a!), Tensor(b!), Tensor(c!), Tensor(d!))"
+)
+
+
+@torch.library.impl(_LIB, "quantize_fixed.out", "CompositeExplicitAutograd")
+def _quantize_fixed_out(x, bits, zero, scale, codebook, lo, hi, n_outliers, *, codes, out_val, out_idx, clamped):
+    outs = (codes, out_val, out_idx, clamped)
+    for out, value in zip(outs, torch.ops.kvq.quantize_fixed.default(x, bits, zero, scale, codebook, lo, hi, n_outliers)):
+        out.copy_(value)
+    return outs
+
+
+@torch.library.register_fake("kvq::quantize_fixed.out", lib=_LIB)
+def _quantize_fixed_out_fake(x, bits, zero, scale, codebook, lo, hi, n_outliers, *, codes, out_val, out_idx, clamped):
+    _check_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers)
+    return codes, out_val, out_idx, clamped
+
+
 def _check_operand(o: Operand, name: str) -> None:
     _check_format(o.bits, o.axis, o.group, allow_fp=True)
     for field in ("codes", "side"):

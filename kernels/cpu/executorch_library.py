@@ -1,8 +1,9 @@
 """The kvq kernel library for the ExecuTorch runtime, built from the same C++ as the PyTorch op.
 
-`executorch_ops.cpp` registers `kvq::decode_attention.out` and `kvq::quantize.out` in ExecuTorch's
-kernel registry; the arithmetic is `attention_core.h` and `quantize_core.h`, which the PyTorch CPU
-ops (`decode_attention.cpp`, `quantize.cpp`) also run. A `.pte` exported with native kvq kernels
+`executorch_ops.cpp` registers `kvq::decode_attention.out`, `kvq::quantize.out` and
+`kvq::quantize_fixed.out` in ExecuTorch's kernel registry; the arithmetic is `attention_core.h` and
+`quantize_core.h`, which the PyTorch CPU ops (`decode_attention.cpp`, `quantize.cpp`,
+`quantize_fixed.cpp`) also run. A `.pte` exported with native kvq kernels
 calls those ops, so the library must be loaded into the
 process before the program's method is loaded: `ExecuTorchRunner` does it, others call `load()`.
 

@@ -1,4 +1,4 @@
-// kvq::decode_attention.out and kvq::quantize.out for the ExecuTorch runtime: the same arithmetic
+// kvq::decode_attention.out, kvq::quantize.out and kvq::quantize_fixed.out for the ExecuTorch runtime: the same arithmetic
 // as the PyTorch CPU ops (attention_core.h, quantize_core.h), registered in ExecuTorch's kernel
 // registry, so a `.pte` whose program calls them runs them natively instead of the decomposed
 // reference (the one-token append decomposed to ~60 portable ops per operand and layer). Built against the headers and
@@ -119,6 +119,66 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
   return {codes, scale, zero, out_val, out_idx, clamped};
 }
 
+// A [heads, head_dim] range of float32, float16 or bfloat16 (the cache keeps them in its scale
+// dtype) as floats, as the PyTorch op's `.to(float)` reads them.
+std::vector<float> range_floats(const Tensor& t, const char* name, int64_t heads, int64_t dim) {
+  const kvq_core::DType type = kvq_core::dtype_of_code(static_cast<int>(t.scalar_type()));
+  kvq_core::check(t.dim() == 2 && t.size(0) == heads && t.size(1) == dim, "kvq::quantize_fixed.out: ", name,
+                  " must be [heads, head_dim] = [", heads, ", ", dim, "]");
+  kvq_core::check(type == kvq_core::DType::Float || type == kvq_core::DType::Half || type == kvq_core::DType::BFloat16,
+                  "kvq::quantize_fixed.out: ", name, " must be float32, float16 or bfloat16");
+  std::vector<float> out(static_cast<size_t>(heads * dim));
+  kvq_core::load_floats(t.const_data_ptr(), type, heads * dim, out.data());
+  return out;
+}
+
+// kvq::quantize_fixed's arguments (keys coded against calibrated per-channel ranges) then its four
+// outputs; float32 x, the codes of `kvq_core::quantize_rows`, byte for byte those of the PyTorch CPU op.
+std::tuple<Tensor&, Tensor&, Tensor&, Tensor&> quantize_fixed_out(
+    KernelRuntimeContext& ctx, const Tensor& x, int64_t bits, const Tensor& zero, const Tensor& scale, const Tensor& codebook,
+    const Tensor& lo, const Tensor& hi, int64_t n_outliers, Tensor& codes, Tensor& out_val, Tensor& out_idx, Tensor& clamped) {
+  try {
+    kvq_core::check(kvq_format::is_packed_bits(bits), "kvq::quantize_fixed.out: bits must be one of ", kvq_format::kPackedBitsText);
+    kvq_core::check(x.scalar_type() == ScalarType::Float && x.dim() == 4, "kvq::quantize_fixed.out: x must be float32 [B, H, T, D]");
+    const int64_t B = x.size(0), H = x.size(1), tokens = x.size(2), dim = x.size(3);
+    kvq_core::check(dim <= kvq_core::kMaxDim && dim % kvq_format::codes_per_word(bits) == 0,
+                    "kvq::quantize_fixed.out: ", bits, "-bit codes need head_dim a multiple of ", kvq_format::codes_per_word(bits),
+                    " and at most ", kvq_core::kMaxDim);
+    kvq_core::check(n_outliers >= 0 && n_outliers <= dim && (n_outliers == 0 || dim <= kvq_format::kMaxOutlierHeadDim),
+                    "kvq::quantize_fixed.out: n_outliers must be in [0, head_dim]");
+    kvq_core::check(codebook.numel() == 0 || (bits <= 4 && codebook.scalar_type() == ScalarType::Float && codebook.numel() == (int64_t{1} << bits)),
+                    "kvq::quantize_fixed.out: a codebook must be float32 with 2**bits levels");
+    const std::vector<float> lo_f = range_floats(lo, "lo", H, dim), hi_f = range_floats(hi, "hi", H, dim);
+    const std::vector<float> zero_f = range_floats(zero, "zero", H, dim), scale_f = range_floats(scale, "scale", H, dim);
+    std::vector<float> mids;
+    const float* levels = codebook.numel() ? codebook.const_data_ptr<float>() : nullptr;
+    for (int64_t i = 0; levels && i + 1 < codebook.numel(); ++i) mids.push_back((levels[i + 1] + levels[i]) * 0.5f);
+    expect_shape(codes, "codes", {B, H, tokens, kvq_core::packed_bytes(dim, bits)});
+    expect_shape(out_val, "out_val", {B, H, tokens, n_outliers});
+    expect_shape(out_idx, "out_idx", {B, H, tokens, n_outliers});
+    kvq_core::check(codes.scalar_type() == ScalarType::Byte && out_val.scalar_type() == ScalarType::Float &&
+                        out_idx.scalar_type() == ScalarType::Byte && clamped.scalar_type() == ScalarType::Long && clamped.numel() == 1,
+                    "kvq::quantize_fixed.out: an output has the wrong dtype");
+    const float* xp = x.const_data_ptr<float>();
+    const int64_t bad = kvq_core::first_non_finite(xp, x.numel());
+    kvq_core::check(bad < 0, kvq_core::kNonFiniteInput, ": x has NaN or Inf at flat index ", bad, "; a quantized cache does not store NaN or Inf");
+    int64_t n_clamped = 0;
+    if (x.numel() > 0)
+      n_clamped = kvq_core::quantize_rows<float>(
+          xp, B * H * tokens, tokens, H, static_cast<int>(dim), static_cast<int>(bits), lo_f.data(), hi_f.data(), zero_f.data(),
+          scale_f.data(), mids.data(), static_cast<int>(mids.size()), static_cast<int>(n_outliers), codes.mutable_data_ptr<uint8_t>(),
+          out_val.mutable_data_ptr<float>(), out_idx.mutable_data_ptr<uint8_t>(), [](int64_t n, const auto& fn) {
+#pragma omp parallel for schedule(static, 1)
+            for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
+          });
+    clamped.mutable_data_ptr<int64_t>()[0] = n_clamped;
+  } catch (const std::invalid_argument& e) {
+    ET_LOG(Error, "%s", e.what());
+    ctx.fail(executorch::runtime::Error::InvalidArgument);
+  }
+  return {codes, out_val, out_idx, clamped};
+}
+
 }  // namespace
 }  // namespace kvq_executorch
 
@@ -136,5 +196,15 @@ void quantize_out_boxed(KernelRuntimeContext& ctx, executorch::runtime::Span<exe
 }
 const auto quantize_registered =
     executorch::runtime::register_kernel(executorch::runtime::Kernel("kvq::quantize.out", quantize_out_boxed));
+void quantize_fixed_out_boxed(KernelRuntimeContext& ctx, executorch::runtime::Span<executorch::runtime::EValue*> stack) {
+  // the 12 arguments, then the returned tuple
+  ET_KERNEL_CHECK_MSG(ctx, stack.size() == 13, InvalidArgument, , "kvq::quantize_fixed.out: 13 stack values expected, got %zu",
+                      stack.size());
+  quantize_fixed_out(ctx, stack[0]->toTensor(), stack[1]->toInt(), stack[2]->toTensor(), stack[3]->toTensor(), stack[4]->toTensor(),
+                     stack[5]->toTensor(), stack[6]->toTensor(), stack[7]->toInt(), stack[8]->toTensor(), stack[9]->toTensor(),
+                     stack[10]->toTensor(), stack[11]->toTensor());
+}
+const auto quantize_fixed_registered =
+    executorch::runtime::register_kernel(executorch::runtime::Kernel("kvq::quantize_fixed.out", quantize_fixed_out_boxed));
 }  // namespace
 }  // namespace kvq_executorch

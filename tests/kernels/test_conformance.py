@@ -25,7 +25,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, format_ints
@@ -238,9 +238,34 @@ def _executorch_quantize(x, format, scale_dtype, codebook, lo, hi, n_outliers):
     return method.execute(list(inputs))
 
 
+class _OneQuantizeFixed(torch.nn.Module):
+    """kvq::quantize_fixed on (x, zero, scale, codebook, lo, hi), its width and slot count fixed at export."""
+
+    def __init__(self, bits, n_outliers):
+        super().__init__()
+        self.bits, self.n_outliers = bits, n_outliers
+
+    def forward(self, x, zero, scale, codebook, lo, hi):
+        return torch.ops.kvq.quantize_fixed(x, self.bits, zero, scale, codebook, lo, hi, self.n_outliers)
+
+
+def _executorch_quantize_fixed(x, bits, zero, scale, codebook, lo, hi, n_outliers):
+    """The calibrated-range append through a one-op `.pte` calling `kvq::quantize_fixed.out`."""
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    inputs = (x, zero, scale, codebook, lo, hi)
+    program = torch.export.export(_OneQuantizeFixed(bits, n_outliers), inputs, strict=False)
+    pte = to_edge(program).to_executorch()
+    ops = {str(n.target) for n in pte.exported_program().graph.nodes if n.op == "call_function"}
+    assert any("kvq.quantize_fixed.out" in op for op in ops), ops
+    method = Runtime.get().load_program(pte.buffer).load_method("forward")
+    return method.execute(list(inputs))
+
+
 QUANTIZERS = {  # name -> (availability, kvq.quantize implementation or None, kvq.quantize_fixed implementation or None)
     "native-cpu": (_native_available, torch.ops.kvq.quantize, torch.ops.kvq.quantize_fixed),
-    "executorch": (_executorch_available, _executorch_quantize, None),
+    "executorch": (_executorch_available, _executorch_quantize, _executorch_quantize_fixed),
     "triton-interpreter": (_triton_available, lambda *a: torch.ops.kvq.triton_quantize(*a),
                            lambda *a: torch.ops.kvq.triton_quantize_fixed(*a)),
 }
@@ -318,6 +343,13 @@ def test_executorch_quantize_refuses_nan_and_inf():
             quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)
     x[0, 1, 2, 5] = 0.0  # the same program shape with finite input runs
     assert len(quantize(x, format_ints(4, AXIS_TOKEN, 32), torch.float16, torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)) == 6
+    fixed = _quantizer("executorch", 1)  # the calibrated-range append likewise
+    ranges = (torch.zeros(2, 64), torch.full((2, 64), 0.1), torch.zeros(0), -torch.ones(2, 64), torch.ones(2, 64))
+    x[0, 1, 2, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="execute"):
+        fixed(x, 4, *ranges, 1)
+    x[0, 1, 2, 5] = 0.0
+    assert len(fixed(x, 4, *ranges, 1)) == 4
 
 
 def test_native_quantize_takes_any_leading_dims_and_one_row_for_every_position():
@@ -342,10 +374,12 @@ def test_quantize_fixed_is_byte_identical_to_the_reference(backend, seed, bits, 
     """Keys coded against calibrated ranges: codes, outlier slots and the clamped count byte for byte,
     every width, codebook or uniform levels, 0-3 slots, model dtypes. Half-precision inputs can tie
     for an outlier slot; the reference's top-k order among ties is unspecified, so those vectors are
-    compared by the excess of what they kept."""
+    compared by the excess of what they kept. The ExecuTorch op takes float32 x only (the exported
+    models' dtype; it refuses others by name)."""
     from kvq_ao.quant.codebook import nf_codebook
     from kvq_ao.quant.uniform import fixed_range
 
+    assume(backend != "executorch" or dtype == torch.float32)
     op = _quantizer(backend, 1)
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(2, 3, t, d, generator=g) * 2).to(dtype)
