@@ -1103,6 +1103,101 @@ KVQ_PROFILED inline void angles(int64_t pos, const float* inv_freq, int half, fl
     for (i = 0; i < half; ++i) sin[i] *= scale, cos[i] *= scale;
 }
 
+// p * f - fl(p * f), exactly (the rounding error of a float product is a float): one FMA where
+// the target has it, else in double (the product of two floats is exact there).
+inline v8f product_error(v8f p, v8f f, v8f a) {
+#if defined(__FMA__)
+  return reinterpret_cast<v8f>(_mm256_fmsub_ps(reinterpret_cast<__m256>(p), reinterpret_cast<__m256>(f), reinterpret_cast<__m256>(a)));
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_FMA)
+  float32x4_t p2[2], f2[2], a2[2];
+  std::memcpy(p2, &p, 32), std::memcpy(f2, &f, 32), std::memcpy(a2, &a, 32);
+  const float32x4_t e[2] = {vfmaq_f32(vnegq_f32(a2[0]), p2[0], f2[0]), vfmaq_f32(vnegq_f32(a2[1]), p2[1], f2[1])};
+  v8f out;
+  std::memcpy(&out, e, 32);
+  return out;
+#else
+  const v8d pd = __builtin_convertvector(p, v8d), fd = __builtin_convertvector(f, v8d), ad = __builtin_convertvector(a, v8d);
+  return __builtin_convertvector(pd * fd - ad, v8f);
+#endif
+}
+
+// The cos/sin tables of `angles` for runs of consecutive positions (a tile of pre-RoPE keys), without
+// a sin/cos per angle. The angle RoPE uses is the float product a = fl(p * f), as torch computes it.
+// With p = p0 + k (k < kTile) and d = a - p * f (exact, |d| <= half an ulp of a):
+//   sin a = sin(pf) cos d + cos(pf) sin d,  sin(pf) = sin(p0 f) cos(kf) + cos(p0 f) sin(kf)
+// (cos alike). cos/sin(kf) are a table made once per call; cos/sin(p0 f) are carried from tile to
+// tile by a rotation in double (drift ~1e-16 a tile); cos d and sin d are short Taylor series, to
+// 1e-8 while a < 2^20 (|d| <= 2^-4). Within ~1.5e-7 of double sin/cos of a, as `sincos8` is, at
+// about half its instructions: `angles` was a fifth of a kvquant preset's kernel time. Past 2^20
+// radians, or for positions that do not follow the last run, the tile falls back to `angles`.
+struct AngleRuns {
+  static constexpr double kExactBelow = 1048576.0;  // 2^20
+  int half = 0;
+  const float* inv_freq = nullptr;
+  float max_freq = 0.f;
+  int64_t next = -1;  // the position whose cos/sin(p0 f) `seed_c/seed_s` hold (-1: none)
+  std::vector<double> step_c, step_s, seed_c, seed_d;  // cos/sin(kTile f); cos/sin(next f)
+  std::vector<float> run_c, run_s;                     // [k][i]: cos/sin(k f_i), k < kTile
+
+  AngleRuns(const float* freq, int half_dim) : half(half_dim), inv_freq(freq) {
+    step_c.resize(half), step_s.resize(half), seed_c.resize(half), seed_d.resize(half);
+    run_c.resize(static_cast<size_t>(kTile) * half), run_s.resize(static_cast<size_t>(kTile) * half);
+    for (int i = 0; i < half; ++i) {
+      max_freq = std::max(max_freq, std::fabs(freq[i]));
+      const double f = freq[i], c1 = std::cos(f), s1 = std::sin(f);
+      double c = 1.0, sn = 0.0;
+      for (int k = 0; k < kTile; ++k) {  // k f by rotations in double: exact to ~1e-15 over a tile
+        run_c[k * half + i] = static_cast<float>(c), run_s[k * half + i] = static_cast<float>(sn);
+        const double c_next = c * c1 - sn * s1;
+        sn = sn * c1 + c * s1, c = c_next;
+      }
+      step_c[i] = std::cos(kTile * f), step_s[i] = std::sin(kTile * f);
+    }
+  }
+
+  // Fills cos/sin [count][half] (times `scale`) for positions p0 .. p0 + count - 1; false when
+  // those angles are too large for the series (the caller uses `angles`).
+  bool fill(int64_t p0, int count, float scale, float* cos_out, float* sin_out) {
+    if (p0 < 0 || static_cast<double>(p0 + count) * max_freq >= kExactBelow) return false;
+    if (p0 != next)
+      for (int i = 0; i < half; ++i) seed_c[i] = std::cos(p0 * static_cast<double>(inv_freq[i])), seed_d[i] = std::sin(p0 * static_cast<double>(inv_freq[i]));
+    alignas(32) float c0[kMaxHeadDim / 2], s0[kMaxHeadDim / 2];
+    for (int i = 0; i < half; ++i) c0[i] = static_cast<float>(seed_c[i]), s0[i] = static_cast<float>(seed_d[i]);
+    for (int k = 0; k < count; ++k) {
+      const float pf = static_cast<float>(p0 + k);
+      const float *ck = run_c.data() + k * half, *sk = run_s.data() + k * half;
+      float *co = cos_out + k * half, *so = sin_out + k * half;
+      int i = 0;
+      for (; i + 8 <= half; i += 8) {
+        const v8f c = load8(ck + i), sn = load8(sk + i), C0 = load8(c0 + i), S0 = load8(s0 + i), f = load8(inv_freq + i);
+        const v8f sin_pf = S0 * c + C0 * sn, cos_pf = C0 * c - S0 * sn;
+        const v8f a = splat(pf) * f;
+        const v8f e = product_error(splat(pf), f, a);  // p f - a = -d
+        const v8f e2 = e * e;
+        const v8f cos_d = splat(1.f) + e2 * (splat(-0.5f) + e2 * splat(1.f / 24.f)), sin_d = -(e - e2 * e * splat(1.f / 6.f));
+        v8f sv = sin_pf * cos_d + cos_pf * sin_d, cv = cos_pf * cos_d - sin_pf * sin_d;
+        if (scale != 1.f) sv *= splat(scale), cv *= splat(scale);
+        store8(so + i, sv);
+        store8(co + i, cv);
+      }
+      for (; i < half; ++i) {  // the same arithmetic, one lane
+        const float c = ck[i], sn = sk[i], f = inv_freq[i];
+        const float sin_pf = s0[i] * c + c0[i] * sn, cos_pf = c0[i] * c - s0[i] * sn;
+        const float a = pf * f, e = std::fma(pf, f, -a), e2 = e * e;
+        const float cos_d = 1.f + e2 * (-0.5f + e2 * (1.f / 24.f)), sin_d = -(e - e2 * e * (1.f / 6.f));
+        so[i] = (sin_pf * cos_d + cos_pf * sin_d) * scale;
+        co[i] = (cos_pf * cos_d - sin_pf * sin_d) * scale;
+      }
+    }
+    for (int i = 0; i < half; ++i) {  // cos/sin((p0 + kTile) f): the next tile's seed
+      const double c = seed_c[i] * step_c[i] - seed_d[i] * step_s[i];
+      seed_d[i] = seed_d[i] * step_c[i] + seed_c[i] * step_s[i], seed_c[i] = c;
+    }
+    next = p0 + kTile;
+    return true;
+  }
+};
+
 // Running softmax state of one query head over one task's tokens.
 struct Partial {
   float* acc;  // [dv] sum of p * v
@@ -1627,10 +1722,12 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
       };
       auto tile_count = [&](int64_t t0) { return static_cast<int>(std::min<int64_t>(kTile, t_end - t0)); };
       if (pre_rope) {  // tile-major: one table of cos/sin per tile, shared by every batch row and kv head
+        AngleRuns runs(inv_freq.data(), half);
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
           const int count = tile_count(t0);
-          for (int i = 0; i < count; ++i)
-            angles(a.position_offset + t0 + i, inv_freq.data(), half, rope_f, cos_t + i * half, sin_t + i * half);
+          if (!runs.fill(a.position_offset + t0, count, rope_f, cos_t, sin_t))
+            for (int i = 0; i < count; ++i)
+              angles(a.position_offset + t0 + i, inv_freq.data(), half, rope_f, cos_t + i * half, sin_t + i * half);
           for (int64_t b = 0; b < B; ++b)
             for (int64_t hkv = 0; hkv < Hkv; ++hkv) one_tile(t0, count, b, hkv);
         }
