@@ -1136,11 +1136,11 @@ struct AngleRuns {
   const float* inv_freq = nullptr;
   float max_freq = 0.f;
   int64_t next = -1;  // the position whose cos/sin(p0 f) `seed_c/seed_s` hold (-1: none)
-  std::vector<double> step_c, step_s, seed_c, seed_d;  // cos/sin(kTile f); cos/sin(next f)
+  std::vector<double> step_c, step_s, seed_c, seed_s;  // cos/sin(kTile f); cos/sin(next f)
   std::vector<float> run_c, run_s;                     // [k][i]: cos/sin(k f_i), k < kTile
 
   AngleRuns(const float* freq, int half_dim) : half(half_dim), inv_freq(freq) {
-    step_c.resize(half), step_s.resize(half), seed_c.resize(half), seed_d.resize(half);
+    step_c.resize(half), step_s.resize(half), seed_c.resize(half), seed_s.resize(half);
     run_c.resize(static_cast<size_t>(kTile) * half), run_s.resize(static_cast<size_t>(kTile) * half);
     for (int i = 0; i < half; ++i) {
       max_freq = std::max(max_freq, std::fabs(freq[i]));
@@ -1159,10 +1159,13 @@ struct AngleRuns {
   // those angles are too large for the series (the caller uses `angles`).
   bool fill(int64_t p0, int count, float scale, float* cos_out, float* sin_out) {
     if (p0 < 0 || static_cast<double>(p0 + count) * max_freq >= kExactBelow) return false;
-    if (p0 != next)
-      for (int i = 0; i < half; ++i) seed_c[i] = std::cos(p0 * static_cast<double>(inv_freq[i])), seed_d[i] = std::sin(p0 * static_cast<double>(inv_freq[i]));
+    if (p0 != next)  // a new run: its seed from the angles themselves
+      for (int i = 0; i < half; ++i) {
+        const double angle = p0 * static_cast<double>(inv_freq[i]);
+        seed_c[i] = std::cos(angle), seed_s[i] = std::sin(angle);
+      }
     alignas(32) float c0[kMaxHeadDim / 2], s0[kMaxHeadDim / 2];
-    for (int i = 0; i < half; ++i) c0[i] = static_cast<float>(seed_c[i]), s0[i] = static_cast<float>(seed_d[i]);
+    for (int i = 0; i < half; ++i) c0[i] = static_cast<float>(seed_c[i]), s0[i] = static_cast<float>(seed_s[i]);
     for (int k = 0; k < count; ++k) {
       const float pf = static_cast<float>(p0 + k);
       const float *ck = run_c.data() + k * half, *sk = run_s.data() + k * half;
@@ -1190,8 +1193,8 @@ struct AngleRuns {
       }
     }
     for (int i = 0; i < half; ++i) {  // cos/sin((p0 + kTile) f): the next tile's seed
-      const double c = seed_c[i] * step_c[i] - seed_d[i] * step_s[i];
-      seed_d[i] = seed_d[i] * step_c[i] + seed_c[i] * step_s[i], seed_c[i] = c;
+      const double c = seed_c[i] * step_c[i] - seed_s[i] * step_s[i];
+      seed_s[i] = seed_s[i] * step_c[i] + seed_c[i] * step_s[i], seed_c[i] = c;
     }
     next = p0 + kTile;
     return true;
