@@ -1314,42 +1314,13 @@ inline void dot8(const float* q, const float* k, int dim, float* out) {
   hsum8x8(h, out);
 }
 
-// dot8 for two query heads (rows `dim` apart at q) at once: each key load serves both (16
-// accumulators: only where there are 32 vector registers, AVX-512). Per head and row the same sums
-// in the same order as dot8, so the same bits; out rows kTile apart.
-inline void dot8_pair(const float* q, const float* k, int dim, float* out) {
-  typedef Vec<kWide>::f vf;
-  vf a[2][8];
-  for (int r = 0; r < 8; ++r) a[0][r] = a[1][r] = splatv<kWide>(0.f);
-  for (int c = 0; c < dim; c += kWide) {
-    const vf q0 = loadv<kWide>(q + c), q1 = loadv<kWide>(q + dim + c);
-    for (int r = 0; r < 8; ++r) {
-      const vf kv = loadv<kWide>(k + r * kRow + c);
-      a[0][r] += q0 * kv;
-      a[1][r] += q1 * kv;
-    }
-  }
-  for (int h = 0; h < 2; ++h) {
-    v8f s[8];
-    for (int r = 0; r < 8; ++r) s[r] = fold16(a[h][r]);
-    hsum8x8(s, out + h * kTile);
-  }
-}
-
 // Scores of `n_heads` query heads (rows `dim` apart at q) against `count` float key rows
-// (kRow apart): scores[h * kTile + i]. With AVX-512, heads go in pairs over blocks of 8 rows.
+// (kRow apart): scores[h * kTile + i].
 KVQ_PROFILED inline void score_rows(const float* q, int n_heads, int dim, int count, const float* keys, float* scores) {
-  int paired = 0;  // heads [0, paired) had their whole blocks of 8 rows done in pairs
-  if constexpr (kWide == 16)
-    if (dim % kWide == 0 && count >= 8) {
-      paired = n_heads & ~1;
-      for (int h = 0; h < paired; h += 2)
-        for (int i = 0; i + 8 <= count; i += 8) dot8_pair(q + h * dim, keys + i * kRow, dim, scores + h * kTile + i);
-    }
   for (int h = 0; h < n_heads; ++h) {
     const float* qh = q + h * dim;
     float* sh = scores + h * kTile;
-    int i = h < paired ? count & ~7 : 0;
+    int i = 0;
     if (dim % kWide == 0)
       for (; i + 8 <= count; i += 8) dot8(qh, keys + i * kRow, dim, sh + i);
     if (dim % 8 == 0)
