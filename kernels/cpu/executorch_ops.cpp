@@ -20,6 +20,27 @@ using executorch::aten::ScalarType;
 using executorch::aten::Tensor;
 using executorch::runtime::KernelRuntimeContext;
 
+// parallel_for of the kernel cores: fn(i, i + 1) for each task i < n, on OpenMP's threads.
+const auto omp_tasks = [](int64_t n, const auto& fn) {
+#pragma omp parallel for schedule(static, 1)
+  for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
+};
+
+// The appends' refusal of NaN/Inf, with the cache's message (the step fails; the runtime logs it).
+void refuse_non_finite(const float* x, int64_t n) {
+  const int64_t bad = kvq_core::first_non_finite(x, n);
+  kvq_core::check(bad < 0, kvq_core::kNonFiniteInput, ": x has NaN or Inf at flat index ", bad, "; a quantized cache does not store NaN or Inf");
+}
+
+// The decision thresholds between a float32 codebook's neighbouring levels (none without one), as
+// the PyTorch ops compute them.
+std::vector<float> codebook_mids(const Tensor& codebook) {
+  std::vector<float> mids;
+  const float* levels = codebook.numel() ? codebook.const_data_ptr<float>() : nullptr;
+  for (int64_t i = 0; levels && i + 1 < codebook.numel(); ++i) mids.push_back((levels[i + 1] + levels[i]) * 0.5f);
+  return mids;
+}
+
 // ATTENTION_SCHEMA's arguments (kvq_ao/ops.py) then `out`; each operand's lists are read by
 // kvq_format.h's indices.
 Tensor& decode_attention_out(
@@ -35,10 +56,7 @@ Tensor& decode_attention_out(
     kvq_core::check(out.scalar_type() == ScalarType::Float && out.dim() == 4 && out.size(0) == sizes[0] && out.size(1) == sizes[1] &&
                         out.size(2) == 1 && out.size(3) == sizes[2],
                     "out must be float32 [", sizes[0], ", ", sizes[1], ", 1, ", sizes[2], "]");
-    kvq_core::decode_attention(a, out.mutable_data_ptr<float>(), omp_get_max_threads(), [](int64_t n, const auto& fn) {
-#pragma omp parallel for schedule(static, 1)
-      for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
-    });
+    kvq_core::decode_attention(a, out.mutable_data_ptr<float>(), omp_get_max_threads(), omp_tasks);
   } catch (const std::invalid_argument& e) {
     ET_LOG(Error, "%s", e.what());
     ctx.fail(executorch::runtime::Error::InvalidArgument);
@@ -85,9 +103,7 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
                     "kvq::quantize.out: outlier thresholds must be float32 [heads, head_dim]");
     kvq_core::check(codebook.numel() == 0 || (codebook.scalar_type() == ScalarType::Float && codebook.numel() == (int64_t{1} << bits)),
                     "kvq::quantize.out: a codebook must be float32 with 2**bits levels");
-    std::vector<float> mids;
-    const float* levels = codebook.numel() ? codebook.const_data_ptr<float>() : nullptr;
-    for (int64_t i = 0; levels && i + 1 < codebook.numel(); ++i) mids.push_back((levels[i + 1] + levels[i]) * 0.5f);
+    const std::vector<float> mids = codebook_mids(codebook);
     expect_shape(codes, "codes", {B, H, tokens, kvq_core::packed_bytes(dim, bits)});
     if (channel) expect_shape(scale, "scale", {B, H, tokens / block, dim}), expect_shape(zero, "zero", {B, H, tokens / block, dim});
     else expect_shape(scale, "scale", {B, H, tokens, dim / group}), expect_shape(zero, "zero", {B, H, tokens, dim / group});
@@ -98,8 +114,7 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
                         clamped.scalar_type() == ScalarType::Long && clamped.numel() == 1,
                     "kvq::quantize.out: an output has the wrong dtype");
     const float* xp = x.const_data_ptr<float>();
-    const int64_t bad = kvq_core::first_non_finite(xp, x.numel());
-    kvq_core::check(bad < 0, kvq_core::kNonFiniteInput, ": x has NaN or Inf at flat index ", bad, "; a quantized cache does not store NaN or Inf");
+    refuse_non_finite(xp, x.numel());
     int64_t n_clamped = 0;
     if (x.numel() > 0)
       n_clamped = kvq_core::quantize_groups<float>(
@@ -107,10 +122,7 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
           static_cast<int>(channel ? block : group), st, mids.data(), static_cast<int>(mids.size()),
           by_channel ? lo.const_data_ptr<float>() : nullptr, by_channel ? hi.const_data_ptr<float>() : nullptr,
           static_cast<int>(n_outliers), codes.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr(), zero.mutable_data_ptr(),
-          out_val.mutable_data_ptr<float>(), out_idx.mutable_data_ptr<uint8_t>(), [](int64_t n, const auto& fn) {
-#pragma omp parallel for schedule(static, 1)
-            for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
-          });
+          out_val.mutable_data_ptr<float>(), out_idx.mutable_data_ptr<uint8_t>(), omp_tasks);
     clamped.mutable_data_ptr<int64_t>()[0] = n_clamped;
   } catch (const std::invalid_argument& e) {
     ET_LOG(Error, "%s", e.what());
@@ -150,9 +162,7 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&> quantize_fixed_out(
                     "kvq::quantize_fixed.out: a codebook must be float32 with 2**bits levels");
     const std::vector<float> lo_f = range_floats(lo, "lo", H, dim), hi_f = range_floats(hi, "hi", H, dim);
     const std::vector<float> zero_f = range_floats(zero, "zero", H, dim), scale_f = range_floats(scale, "scale", H, dim);
-    std::vector<float> mids;
-    const float* levels = codebook.numel() ? codebook.const_data_ptr<float>() : nullptr;
-    for (int64_t i = 0; levels && i + 1 < codebook.numel(); ++i) mids.push_back((levels[i + 1] + levels[i]) * 0.5f);
+    const std::vector<float> mids = codebook_mids(codebook);
     expect_shape(codes, "codes", {B, H, tokens, kvq_core::packed_bytes(dim, bits)});
     expect_shape(out_val, "out_val", {B, H, tokens, n_outliers});
     expect_shape(out_idx, "out_idx", {B, H, tokens, n_outliers});
@@ -160,17 +170,13 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&> quantize_fixed_out(
                         out_idx.scalar_type() == ScalarType::Byte && clamped.scalar_type() == ScalarType::Long && clamped.numel() == 1,
                     "kvq::quantize_fixed.out: an output has the wrong dtype");
     const float* xp = x.const_data_ptr<float>();
-    const int64_t bad = kvq_core::first_non_finite(xp, x.numel());
-    kvq_core::check(bad < 0, kvq_core::kNonFiniteInput, ": x has NaN or Inf at flat index ", bad, "; a quantized cache does not store NaN or Inf");
+    refuse_non_finite(xp, x.numel());
     int64_t n_clamped = 0;
     if (x.numel() > 0)
       n_clamped = kvq_core::quantize_rows<float>(
           xp, B * H * tokens, tokens, H, static_cast<int>(dim), static_cast<int>(bits), lo_f.data(), hi_f.data(), zero_f.data(),
           scale_f.data(), mids.data(), static_cast<int>(mids.size()), static_cast<int>(n_outliers), codes.mutable_data_ptr<uint8_t>(),
-          out_val.mutable_data_ptr<float>(), out_idx.mutable_data_ptr<uint8_t>(), [](int64_t n, const auto& fn) {
-#pragma omp parallel for schedule(static, 1)
-            for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
-          });
+          out_val.mutable_data_ptr<float>(), out_idx.mutable_data_ptr<uint8_t>(), omp_tasks);
     clamped.mutable_data_ptr<int64_t>()[0] = n_clamped;
   } catch (const std::invalid_argument& e) {
     ET_LOG(Error, "%s", e.what());
