@@ -65,7 +65,7 @@ def _operand(x: torch.Tensor, side: torch.Tensor, spec, scale_dtype: torch.dtype
     from kvq_ao.quant.uniform import fixed_range
 
     axis = AXIS_CHANNEL if spec.axis == "channel" else AXIS_TOKEN
-    bits, _, group = encode(spec.bits, axis, spec.group_size, calibrated_rows=spec.calibrated_ranges)
+    bits, _, group, _ = encode(spec.bits, axis, spec.group_size, calibrated_rows=spec.calibrated_ranges)
     fields = dict(bits=bits, axis=axis, group=group, codes=x.to(dtype), scale=None, zero=None,
                   codebook=None, out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
     if spec.bits:
@@ -217,6 +217,8 @@ def conformance(args, device, emit) -> None:
     decode_ids, chunk_ids = list(DECODE_CASES), list(CHUNK_CASES)
     if args.dry_run:  # the interpreter: a few of each (tests/kernels/test_conformance.py runs them all on CI)
         decode_ids, chunk_ids = decode_ids[:3], chunk_ids[:1]
+    decode_ids = [c for c in decode_ids if not c.startswith("int8-query")]  # int8-query keys: not built in Triton
+    chunk_ids = [c for c in chunk_ids if not c.startswith("int8-query")]
     for case_id in decode_ids:
         named = decode_case(case_id)
         run("decode", case_id, named, reference_attention(named), CASE_TOLERANCE[named["q"].dtype])

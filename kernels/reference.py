@@ -27,10 +27,10 @@ import torch
 
 from kvq_ao import masks
 from kvq_ao.quant.codebook import dequantize_codebook, nearest_level, quantize_codebook
-from kvq_ao.quant.packing import pack
+from kvq_ao.quant.packing import pack, unpack_float
 from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
-from kvq_ao.format import AXIS_CHANNEL, Operand, format_of, is_float, is_one_row
+from kvq_ao.format import AXIS_CHANNEL, Operand, format_of, is_float, is_one_row, tokens_per_group
 from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
 
 
@@ -41,7 +41,7 @@ def quantize(x: torch.Tensor, format: list[int], scale_dtype: torch.dtype, codeb
 
     Outliers are judged by the channel ranges lo/hi, or per vector when lo/hi are empty.
     """
-    bits, axis, group = format_of(format)
+    bits, axis, group, _ = format_of(format)
     if n_outliers > 0 and lo.numel() == 0:
         dense, out_val, out_idx, _ = split_vector_outliers(x, n_outliers, group)
         clamped = x.new_zeros([], dtype=torch.int64)  # every vector keeps all k of its outliers
@@ -103,6 +103,33 @@ def dequantize_operand(o: Operand, dtype: torch.dtype, select_levels: bool = Fal
 def dequantize(operand: list, format: list, dtype: torch.dtype) -> torch.Tensor:
     """`kvq.dequantize`: an operand's lists (`kvq_ao.format`) -> its body in dtype."""
     return dequantize_operand(Operand.from_lists(operand, format), dtype)
+
+
+def int8_query_scores(q: torch.Tensor, k: Operand) -> torch.Tensor:
+    """Key scores of queries q [B, Hkv, n, Tq, D] over k's body in the int8-query format
+    (`kvq_ao.format`, query_bits INT8_QUERY) -> [B, Hkv, n, Tq, T] float32, unscaled.
+
+    For each query and scale row r: qs = q * scale_r, rounded to int8 against its largest entry,
+    then (m / 127) * (q8 . code) + q . zero_r, plus q_c * (exact - dense) for each exact outlier.
+    Integers up to 127 * 255 * D stay exact in float32 for D <= 512, so the dot products are the
+    int32 ones the native kernels compute.
+    """
+    codes = unpack_float(k.codes, k.bits)  # [B, Hkv, T, D] integer levels
+    b, h, t, d = codes.shape
+    per_row = tokens_per_group(k.axis, k.group, t)
+    rows = t // per_row
+    scale, zero = k.scale.float(), k.zero.float()  # [B, Hkv, rows, D]
+    qs = q.unsqueeze(-2) * scale[:, :, None, None]  # [B, Hkv, n, Tq, rows, D]
+    top = qs.abs().amax(-1, keepdim=True)
+    q8 = torch.where(top > 0, torch.round(qs * (127.0 / torch.where(top > 0, top, torch.ones_like(top)))), torch.zeros_like(qs))
+    dots = torch.einsum("bhnqrd,bhrgd->bhnqrg", q8, codes.reshape(b, h, rows, per_row, d))
+    bias = torch.einsum("bhnqd,bhrd->bhnqr", q, zero)
+    scores = (dots * (top / 127.0) + bias.unsqueeze(-1)).flatten(-2)  # [B, Hkv, n, Tq, T]
+    if k.out_val is not None and k.out_val.shape[-1] > 0:
+        dense = dequantize_operand(k.replace(out_val=None, out_idx=None), torch.float32)
+        delta = apply_outliers(dense, k.out_val, k.out_idx) - dense  # exact - dense where a slot holds a channel
+        scores = scores + torch.einsum("bhnqd,bhtd->bhnqt", q, delta)
+    return scores
 
 
 TARGETS = ("eager", "export", "inductor")  # who runs `attention`'s graph (see there)
@@ -198,6 +225,7 @@ def attention(
     realize = _into_buffer if for_inductor else _unchanged
     q = realize(q)
     b, hq, tq, d = q.shape
+    k_operand = k
     k = dequantize_operand(k, torch.float32, for_inductor)
     v = dequantize_operand(v, torch.float32, for_inductor)
     hkv, t = k.shape[1], k.shape[2]
@@ -217,7 +245,10 @@ def attention(
             # cos/sin table computed once per layer.
             cos, sin = cos_sin(torch.arange(t, device=k.device), rope_inv_freq)
             k = realize(rotate_with(k, realize(cos), realize(sin), rope_scale))
-        s_body = _capped(_scores(qv, k, matmul) * scaling, softcap)  # [B, Hkv, n, T]
+        if k_operand.int8_query:
+            s_body = _capped(int8_query_scores(qv.unsqueeze(3), k_operand).squeeze(3) * scaling, softcap)
+        else:
+            s_body = _capped(_scores(qv, k, matmul) * scaling, softcap)  # [B, Hkv, n, T]
         s_side = _capped(_scores(qv, sk, matmul) * scaling, softcap)  # [B, Hkv, n, S]
         # mask heads: 1 (shared) or Hq -> broadcast against [B, Hkv, n, positions]
         heads = (hkv, n) if body_mask.shape[1] > 1 else (1, 1)
@@ -237,9 +268,14 @@ def attention(
     keys = torch.cat([k, sk], dim=2)
     values = torch.cat([v, sv], dim=2)
     full_mask = torch.cat([body_mask, side_mask], dim=-1)
-    if softcap > 0:  # SDPA cannot cap its logits: spell the softmax out
-        kq = keys.repeat_interleave(n, dim=1)
-        scores = _capped(torch.matmul(q.float(), kq.transpose(-1, -2)) * scaling, softcap)
+    if softcap > 0 or k_operand.int8_query:  # SDPA cannot cap its logits or take scores: spell the softmax out
+        if k_operand.int8_query:
+            s_body = int8_query_scores(qf, k_operand)  # [B, Hkv, n, Tq, T]
+            s_side = torch.einsum("bhnqd,bhsd->bhnqs", qf, sk)
+            raw = torch.cat([s_body, s_side], dim=-1).reshape(b, hq, tq, -1)
+        else:
+            raw = torch.matmul(q.float(), keys.repeat_interleave(n, dim=1).transpose(-1, -2))
+        scores = _capped(raw * scaling, softcap)
         scores = scores.masked_fill(~full_mask, float("-inf"))
         top = scores.amax(-1, keepdim=True)
         p = torch.exp(scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
@@ -270,19 +306,20 @@ def body_slice(o: Operand, start: int, end: int) -> Operand:
     return sliced.replace(scale=cut(o.scale, *rows), zero=cut(o.zero, *rows))
 
 
-def block_attention(q, k, v, ok, scaling: float, softcap: float):
+def block_attention(q, k, v, ok, scaling: float, softcap: float, raw: torch.Tensor | None = None):
     """Softmax attention of queries q [B, H, R, D] over one block of keys/values [B, H, L, D]
     where `ok` [B, 1 or H, R, L] allows (None: everywhere) -> (out [B, H, R, Dv], logsumexp
-    [B, H, R]); rows with nothing allowed get out 0 and logsumexp -inf. On CPU without
-    soft-capping this is ATen's flash attention kernel (it returns the logsumexp a split softmax
-    needs); otherwise written out."""
+    [B, H, R]); rows with nothing allowed get out 0 and logsumexp -inf. `raw` [B, H, R, L]: the
+    unscaled scores, already computed (int8-query keys; k is then unused). On CPU without
+    soft-capping or given scores this is ATen's flash attention kernel (it returns the logsumexp
+    a split softmax needs); otherwise written out."""
     if ok is not None and bool(ok.all()):
         ok = None
-    if q.device.type == "cpu" and softcap <= 0:
+    if q.device.type == "cpu" and softcap <= 0 and raw is None:
         mask = None if ok is None else torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scaling)
     else:
-        scores = _capped(torch.matmul(q, k.transpose(-1, -2)) * scaling, softcap)
+        scores = _capped((torch.matmul(q, k.transpose(-1, -2)) if raw is None else raw) * scaling, softcap)
         scores = scores if ok is None else scores.masked_fill(~ok, float("-inf"))
         top = scores.amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -346,16 +383,17 @@ def streaming_attention(
         """[B, Hkv, L, D] -> [B, Hq, L, D]: each kv head's keys (values) for its n query heads (GQA)."""
         return x if n == 1 else x.repeat_interleave(n, dim=1)
 
-    def attend(i: int, j: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ok=None) -> None:
+    def attend(i: int, j: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ok=None, raw=None) -> None:
         """Merge queries [i, j)'s attention over keys/values [B, Hq, L, D] at `positions` where the
-        mask and ok ([j - i, L] per query) allow; ok None: every query of the tile may read every key."""
+        mask and ok ([j - i, L] per query) allow; ok None: every query of the tile may read every key.
+        raw: the tile's unscaled scores [B, Hq, j - i, L] (int8-query keys), else q . keys."""
         if positions.numel() == 0:  # nothing to read (ATen's flash kernel divides by the key count)
             return
         allow = None
         if ok is not None:
             m = masks.allowed(mask[:, :, i:j], positions) if bounded else mask[:, :, i:j].index_select(-1, positions)
             allow = m & ok.view(1, 1, -1, positions.numel())  # [B, 1 or Hq, j - i, L]: broadcast over heads
-        out, lse = block_attention(qf[:, :, i:j], keys, values, allow, scaling, softcap)
+        out, lse = block_attention(qf[:, :, i:j], keys, values, allow, scaling, softcap, raw)
         old = acc_lse[:, :, i:j]
         total = torch.logaddexp(old, lse)
         base = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
@@ -373,7 +411,8 @@ def streaming_attention(
         readers = [tl for tl in tiles if start < min(tl[5], tl[7]) and end > max(tl[2], body_start)]
         if not readers:
             continue
-        kb = dequantize_operand(body_slice(k, start, end), torch.float32)
+        k_slice = body_slice(k, start, end)
+        kb = dequantize_operand(k_slice, torch.float32)
         vb = dequantize_operand(body_slice(v, start, end), torch.float32)
         positions = torch.arange(start, end, device=q.device)
         if pre_rope:
@@ -382,10 +421,14 @@ def streaming_attention(
         for i, j, lo_min, lo_max, hi_min, hi_max, end_min, end_max in readers:
             a, z = max(start, lo_min, body_start), min(end, hi_max, end_max)  # the part of the block the tile may read
             kt, vt, pt = kb[:, :, a - start : z - start], vb[:, :, a - start : z - start], positions[a - start : z - start]
+            raw = None
+            if k.int8_query:  # the tile's queries scored against the block's codes, then cut to [a, z)
+                qt = qf[:, :, i:j].reshape(b, hkv, n, j - i, d)
+                raw = int8_query_scores(qt, k_slice)[..., a - start : z - start].reshape(b, hq, j - i, z - a)
             if bounded and a >= lo_max and z <= min(hi_min, end_min):
-                attend(i, j, kt, vt, pt)  # every query of the tile may read all of it: no mask
+                attend(i, j, kt, vt, pt, raw=raw)  # every query of the tile may read all of it: no mask
             else:
-                attend(i, j, kt, vt, pt, (pt >= body_start) & (pt < ends[i:j].view(-1, 1)))
+                attend(i, j, kt, vt, pt, (pt >= body_start) & (pt < ends[i:j].view(-1, 1)), raw)
     if side_pos.numel():
         sk, sv = side_k.float(), side_v.float()
         if pre_rope:
@@ -402,4 +445,4 @@ def streaming_attention(
     return (acc, acc_lse) if with_lse else acc.to(q.dtype)
 
 
-__all__ = ["attention", "body_slice", "dequantize", "dequantize_operand", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]
+__all__ = ["attention", "body_slice", "dequantize", "dequantize_operand", "int8_query_scores", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]

@@ -37,7 +37,7 @@ from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant import rotation
 from kvq_ao.quant.rope import unrotate
-from kvq_ao.format import encode, format_ints
+from kvq_ao.format import FLOAT_QUERY, encode, format_ints
 from kvq_ao.quant.uniform import fixed_range
 from kvq_ao.tensor import QuantizedKV
 
@@ -53,8 +53,8 @@ def _native_writers(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and cpu_kernels.is_loaded() and not gpu_kernels.serves(x.device)
 
 
-def _op_format(spec: QuantSpec) -> tuple[int, int, int]:
-    return encode(spec.bits, spec.axis_id, spec.group_size)
+def _op_format(spec: QuantSpec) -> tuple[int, int, int, int]:
+    return encode(spec.bits, spec.axis_id, spec.group_size, int8_query=spec.scores == "int8")
 
 
 @dataclass
@@ -137,11 +137,12 @@ class _BodyStore:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.scale, self.zero
 
-    def op_format(self) -> tuple[int, int, int]:
-        """(bits, axis, group) the kvq ops read this body with: calibrated ranges are the per-channel
+    def op_format(self) -> tuple[int, int, int, int]:
+        """(bits, axis, group, query_bits) the kvq ops read this body with: calibrated ranges are the per-channel
         format with one scale/zero row for all positions (`kvq_ao.format.ONE_ROW`, whatever the capacity, so a
         growing cache keeps one format and a compiled step its graph)."""
-        return encode(self.spec.bits, self.spec.axis_id, self.spec.group_size, calibrated_rows=self.spec.calibrated_ranges)
+        return encode(self.spec.bits, self.spec.axis_id, self.spec.group_size, calibrated_rows=self.spec.calibrated_ranges,
+                      int8_query=self.spec.scores == "int8")  # fmt: skip
 
     def clear(self) -> None:
         """Forget every stored token (fixed calibrated ranges stay)."""
@@ -154,9 +155,9 @@ class _BodyStore:
 
     def operand_fields(self) -> dict:
         """The body's fields of a `QuantizedKV` (every operand field but the side store)."""
-        bits, axis, group = self.op_format()
+        bits, axis, group, query_bits = self.op_format()
         return dict(codes=self.codes, scale=self.scale, zero=self.zero, codebook=self.codebook, out_val=self.out_val,
-                    out_idx=self.out_idx, bits=bits, axis=axis, group=group)  # fmt: skip
+                    out_idx=self.out_idx, bits=bits, axis=axis, group=group, query_bits=query_bits)  # fmt: skip
 
     def grow(self, capacity: int) -> None:
         def pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -173,13 +174,13 @@ class _BodyStore:
     def _encode(self, x: torch.Tensor):
         if not self.spec.is_quantized:
             return x.to(self.codes.dtype), None, None, None, None, None
-        bits, axis, group = _op_format(self.spec)
+        bits, axis, group, _ = _op_format(self.spec)
         if self.spec.calibrated_ranges:
             codes, out_val, out_idx, clamped = gpu_kernels.quantize_fixed_op(x)(
                 x, bits, self.fixed_zero, self.fixed_scale, self.codebook, self.lo, self.hi, self.n_outliers)  # fmt: skip
             return codes, None, None, out_val.to(self.out_val.dtype), out_idx, clamped
         op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)
-        codes, scale, zero, out_val, out_idx, clamped = op(x, format_ints(bits, axis, group), self.scale_dtype, self.codebook,
+        codes, scale, zero, out_val, out_idx, clamped = op(x, format_ints(bits, axis, group, FLOAT_QUERY), self.scale_dtype, self.codebook,
                                                            self.lo, self.hi, self.n_outliers)  # fmt: skip
         return codes, scale, zero, out_val.to(self.out_val.dtype), out_idx, clamped
 

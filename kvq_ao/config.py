@@ -37,6 +37,9 @@ OUTLIER_DTYPES = ("model", "float16", "bfloat16")  # what an exact outlier value
 # Where per-channel key ranges come from: "online", per block of `group_size` tokens as they arrive
 # (KIVI); "calibrated", one range per layer, head and channel fitted offline (KVQuant's keys).
 RANGES = ("online", "calibrated")
+# How attention scores keys: "float", q . dequantized key; "int8", integer dot products of the codes
+# with the query rounded to int8 per head and scale row (`kvq_ao.format`, query_bits).
+SCORES = ("float", "int8")
 CODEBOOK_BITS = (2, 3, 4)
 CONFIG_VERSION = 1
 
@@ -73,6 +76,11 @@ class QuantSpec:
           output back (values), so results are those of the unrotated vectors, while the rotated
           coordinates carry no outlier channels and fit a per-vector range. Keys need post-RoPE
           storage (RoPE acts on channel pairs a rotation mixes).
+    scores: keys only. "float" scores each key as q . (scale * level + zero); "int8" rounds
+          q * scale to int8 once per query head and scale row and scores the codes by integer dot
+          products (llama.cpp's q8 path; AVX-512 VNNI / AVX2 / Arm dot-product instructions in the
+          native CPU kernel). Needs uniform levels ("int") in per-channel groups and post-RoPE
+          keys; it changes each score by the query's rounding (docs/integer_scores.md).
     """
 
     bits: int | None = None
@@ -85,6 +93,7 @@ class QuantSpec:
     outlier_dtype: str = "model"
     ranges: str = "online"
     rotation: str = "none"
+    scores: str = "float"
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -116,6 +125,11 @@ class QuantSpec:
             raise ValueError(f"ranges must be one of {RANGES}, got {self.ranges!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.scores not in SCORES:
+            raise ValueError(f"scores must be one of {SCORES}, got {self.scores!r}")
+        if self.scores == "int8" and (self.bits is None or self.axis != "channel" or self.dtype != "int"):
+            raise ValueError("scores 'int8' needs quantized keys with uniform levels (dtype 'int') in per-channel groups "
+                             f"(axis 'channel'), got bits {self.bits}, axis {self.axis!r}, dtype {self.dtype!r}")  # fmt: skip
         if self.ranges == "calibrated" and self.axis != "channel":
             raise ValueError("ranges 'calibrated' needs axis 'channel' (it fixes each channel's range; per-token "
                              "groups take their range from each token)")  # fmt: skip
@@ -179,6 +193,7 @@ class QuantSpec:
         out += f"x{self.max_outliers}" if self.max_outliers is not None else ""
         out += {"model": "", "float16": "/f16", "bfloat16": "/bf16"}[self.outlier_dtype] if self.outliers else ""
         grouping = "cal" if self.calibrated_ranges else f"{self.axis[0]}{self.group_size}"
+        out += "-q8" if self.scores == "int8" else ""
         return ("rot-" if self.rotation != "none" else "") + f"{kind}{self.bits}-{grouping}{out}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,12 +212,14 @@ class QuantSpec:
             d["ranges"] = self.ranges
         if self.rotation != "none":
             d["rotation"] = self.rotation
+        if self.scores != "float":
+            d["scores"] = self.scores
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
         _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers", "outlier_dtype",
-                       "ranges", "rotation"},
+                       "ranges", "rotation", "scores"},
                     "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
@@ -210,7 +227,7 @@ class QuantSpec:
                    dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0),
                    outlier_rule=d.get("outlier_rule", "channel"), max_outliers=d.get("max_outliers"),
                    outlier_dtype=d.get("outlier_dtype", "model"), ranges=d.get("ranges", "online"),
-                   rotation=d.get("rotation", "none"))  # fmt: skip
+                   rotation=d.get("rotation", "none"), scores=d.get("scores", "float"))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)
@@ -299,6 +316,11 @@ class KVQuantConfig(AOBaseConfig):
         if self.version != CONFIG_VERSION:
             raise ValueError(f"unsupported config version {self.version!r}; this kvq_ao reads version {CONFIG_VERSION}")
         for i, layer in enumerate(self.layers or (self.default,)):
+            if layer.value.scores != "float":
+                raise ValueError(f"layer {i}: scores 'int8' is for keys (values are weighted by the softmax, not scored)")
+            if self.pre_rope_keys and layer.key.scores != "float" and layer.key.is_quantized:
+                raise ValueError(f"layer {i}: int8 key scores need pre_rope_keys false: pre-RoPE keys are rotated per "
+                                 "position after dequantization, so their codes cannot be dotted with one query")  # fmt: skip
             if self.pre_rope_keys and layer.key.rotation != "none" and layer.key.is_quantized:
                 raise ValueError(f"layer {i}: rotated keys need pre_rope_keys false: RoPE turns channel pairs by "
                                  "position-dependent angles, which a rotation of head_dim does not commute with")  # fmt: skip
@@ -412,11 +434,11 @@ def _check_keys(d: Any, allowed: set[str], what: str) -> None:
         raise ValueError(f"{what} has unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
-def _kivi(bits: int) -> KVQuantConfig:
+def _kivi(bits: int, scores: str = "float") -> KVQuantConfig:
     return KVQuantConfig(
-        default=LayerKV(QuantSpec(bits, "channel", 32), QuantSpec(bits, "token", 32)),
+        default=LayerKV(QuantSpec(bits, "channel", 32, scores=scores), QuantSpec(bits, "token", 32)),
         residual_length=128,
-        name=f"kivi-{bits}",
+        name=f"kivi-{bits}" + ("-q8" if scores == "int8" else ""),
     )
 
 
@@ -512,6 +534,9 @@ PRESETS: dict[str, KVQuantConfig] = {
     "kivi-4": _kivi(4),
     "kivi-3": _kivi(3),
     "kivi-2": _kivi(2),
+    # KIVI's layouts with keys scored against an int8 query (QuantSpec.scores; opt-in: docs/integer_scores.md)
+    "kivi-4-q8": _kivi(4, "int8"),
+    "kivi-2-q8": _kivi(2, "int8"),
     **{f"kvquant-{b}": _kvquant(b, 0.0) for b in (4, 3, 2)},
     **{f"kvquant-{b}-1pct": _kvquant(b, 0.01) for b in (4, 3, 2)},
     "rot-k4v3": _rotated(4, 3),

@@ -26,6 +26,16 @@ their values; kernels and the cache ask the predicates):
   channel over blocks of `group` tokens);
 * group: a positive group size, or `ONE_ROW` with the channel axis: one calibrated scale/zero
   row for every position (KVQuant's fixed per-channel key ranges).
+* query_bits: how keys are scored. `FLOAT_QUERY`: in float, q . (scale * level + zero).
+  `INT8_QUERY` (keys with uniform codes in per-channel groups, post-RoPE): integer dot products
+  against the query rounded to int8 once per query head and scale row, as llama.cpp's q8 `vec_dot`:
+
+      qs = q * scale                      (float32, per channel)
+      m = max_c |qs_c|;  q8 = rint(qs * (127 / m))   (float32 ops, ties to even; all 0 if m == 0)
+      score = (m / 127) * (q8 . code) + q . zero  (+ q_c * (exact - dense) for each exact outlier)
+
+  Every step before the integer dot product is one float32 operation, so every kernel rounds the
+  query to the same int8 vector; q8 . code is exact in int32. Values always take `FLOAT_QUERY`.
 """
 
 from __future__ import annotations
@@ -34,25 +44,29 @@ import math
 from typing import Any
 
 OPERAND_TENSORS: tuple[str, ...] = ("codes", "scale", "zero", "codebook", "out_val", "out_idx", "side")
-OPERAND_INTS: tuple[str, ...] = ("bits", "axis", "group")
+OPERAND_INTS: tuple[str, ...] = ("bits", "axis", "group", "query_bits")
 
 AXIS_TOKEN = 0
 AXIS_CHANNEL = 1
 FLOAT_BITS = 0  # `bits` of a float body: codes hold the values themselves, no scale/zero
 ONE_ROW = 0  # `group` of calibrated per-channel ranges: one scale/zero row for every position
+FLOAT_QUERY = 0  # `query_bits`: keys scored in float
+INT8_QUERY = 8  # `query_bits`: keys scored by integer dot products against an int8 query
+QUERY_BITS = (FLOAT_QUERY, INT8_QUERY)
 PACKED_BITS = (2, 3, 4, 8)  # the widths of packed codes
 CODEBOOK_BITS = (2, 3, 4)  # the widths a codebook (non-uniform levels) may have
 # The version of everything above as bytes in memory: a program exported with packed caches (.pte,
 # .onnx) records it, and the runners refuse a program of another version (its buffers would be
 # read with another layout). Bump it with any change to what an operand's bytes mean.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_OUTLIER_HEAD_DIM = 256  # outlier channel indices are uint8 (every slot holds a channel: none is reserved)
 
 
-def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False) -> tuple[int, int, int]:
-    """(bits, axis, group) as the ops take them, from a spec's terms: bits None is a float body,
-    `calibrated_rows` one calibrated scale/zero row for every position (per-channel only)."""
-    return (FLOAT_BITS if bits is None else bits, axis, ONE_ROW if calibrated_rows else group)
+def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False, int8_query: bool = False) -> tuple[int, int, int, int]:
+    """(bits, axis, group, query_bits) as the ops take them, from a spec's terms: bits None is a
+    float body, `calibrated_rows` one calibrated scale/zero row for every position (per-channel
+    only), `int8_query` keys scored against an int8 query."""
+    return (FLOAT_BITS if bits is None else bits, axis, ONE_ROW if calibrated_rows else group, INT8_QUERY if int8_query else FLOAT_QUERY)
 
 
 def is_float(bits: int) -> bool:
@@ -70,8 +84,8 @@ def tokens_per_group(axis: int, group: int, tokens: int) -> int:
     return max(tokens, 1) if is_one_row(axis, group) else group
 
 
-def check_format(bits: int, axis: int, group: int, allow_float: bool = True) -> None:
-    """Raise a ValueError naming the field when (bits, axis, group) is not a format."""
+def check_format(bits: int, axis: int, group: int, allow_float: bool = True, query_bits: int = FLOAT_QUERY) -> None:
+    """Raise a ValueError naming the field when (bits, axis, group, query_bits) is not a format."""
     if not (bits in PACKED_BITS or (allow_float and is_float(bits))):
         raise ValueError(f"kvq: bits must be one of {PACKED_BITS}{f' or {FLOAT_BITS} (float)' if allow_float else ''}, got {bits}")
     if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
@@ -79,6 +93,10 @@ def check_format(bits: int, axis: int, group: int, allow_float: bool = True) -> 
     if group < 0 or (group == ONE_ROW and axis != AXIS_CHANNEL):
         raise ValueError(f"kvq: group size must be positive (or {ONE_ROW}, one row for every position, with per-channel "
                          f"groups), got {group}")  # fmt: skip
+    if query_bits not in QUERY_BITS:
+        raise ValueError(f"kvq: query_bits must be {FLOAT_QUERY} (float scores) or {INT8_QUERY} (int8 query), got {query_bits}")
+    if query_bits == INT8_QUERY and (is_float(bits) or axis != AXIS_CHANNEL):
+        raise ValueError(f"kvq: an int8 query (query_bits {INT8_QUERY}) scores packed codes in per-channel groups, got bits {bits}, axis {axis}")
 
 
 def word_layout(bits: int) -> tuple[int, int]:
@@ -94,31 +112,33 @@ def midpoints(codebook):
     return (codebook[1:] + codebook[:-1]) * 0.5
 
 
-def format_ints(bits: int, axis: int, group: int) -> list[int]:
+def format_ints(bits: int, axis: int, group: int, query_bits: int = FLOAT_QUERY) -> list[int]:
     """An operand's format numbers as the ops' `int[]` (in `OPERAND_INTS` order)."""
-    values = {"bits": bits, "axis": axis, "group": group}
+    values = {"bits": bits, "axis": axis, "group": group, "query_bits": query_bits}
     return [int(values[name]) for name in OPERAND_INTS]
 
 
-def format_of(ints) -> tuple[int, int, int]:
-    """(bits, axis, group) of an ops' `int[]` format (a clear error on a wrong length)."""
+def format_of(ints) -> tuple[int, int, int, int]:
+    """(bits, axis, group, query_bits) of an ops' `int[]` format (a clear error on a wrong length)."""
     if len(ints) != len(OPERAND_INTS):
         raise ValueError(f"kvq: a format lists {len(OPERAND_INTS)} ints {OPERAND_INTS}, got {len(ints)}")
     values = dict(zip(OPERAND_INTS, (int(v) for v in ints)))
-    return values["bits"], values["axis"], values["group"]
+    return values["bits"], values["axis"], values["group"], values["query_bits"]
 
 
 class Operand:
     """One operand (K or V) of the attention ops: its tensors and format numbers by name.
 
-    Built by keyword (`Operand(codes=..., ..., group=...)`) or from the ops' lists
-    (`Operand.from_lists`); `lists()` gives them back in schema order. Fields the format does
-    not use are None.
+    Built by keyword (`Operand(codes=..., ..., group=...)`; query_bits may be left out: float
+    scores) or from the ops' lists (`Operand.from_lists`); `lists()` gives them back in schema
+    order. Fields the format does not use are None.
     """
 
     __slots__ = OPERAND_TENSORS + OPERAND_INTS
+    _DEFAULTS: dict = {"query_bits": FLOAT_QUERY}
 
     def __init__(self, **fields: Any) -> None:
+        fields = {**self._DEFAULTS, **fields}
         missing = set(self.__slots__) - set(fields)
         extra = set(fields) - set(self.__slots__)
         if missing or extra:
@@ -150,12 +170,17 @@ class Operand:
         return is_float(self.bits)
 
     @property
+    def int8_query(self) -> bool:
+        return self.query_bits == INT8_QUERY
+
+    @property
     def n_outliers(self) -> int:
         return 0 if self.out_val is None else self.out_val.shape[-1]
 
     def __repr__(self) -> str:
         shape = tuple(self.codes.shape) if self.codes is not None else None
-        return f"Operand(codes={shape}, bits={self.bits}, axis={self.axis}, group={self.group}, outliers={self.n_outliers})"
+        return (f"Operand(codes={shape}, bits={self.bits}, axis={self.axis}, group={self.group}, query_bits={self.query_bits}, "
+                f"outliers={self.n_outliers})")
 
 
 def c_header() -> str:
@@ -176,6 +201,8 @@ def c_header() -> str:
         f"constexpr int64_t kAxisChannel = {AXIS_CHANNEL};",
         f"constexpr int64_t kFloatBits = {FLOAT_BITS};",
         f"constexpr int64_t kOneRow = {ONE_ROW};",
+        f"constexpr int64_t kFloatQuery = {FLOAT_QUERY};",
+        f"constexpr int64_t kInt8Query = {INT8_QUERY};",
         f"constexpr int kMaxOutlierHeadDim = {MAX_OUTLIER_HEAD_DIM};",
         "// The planar packing (kvq_ao.quant.packing): codes per word and bytes per word of each width.",
         "constexpr int codes_per_word(int64_t bits) { switch (bits) { "
@@ -193,6 +220,6 @@ def c_header() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "FLOAT_BITS", "FORMAT_VERSION", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
-           "Operand", "PACKED_BITS", "c_header", "check_format", "encode", "format_ints", "format_of", "is_float", "is_one_row", "midpoints", "tokens_per_group",
+__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "FLOAT_BITS", "FLOAT_QUERY", "FORMAT_VERSION", "INT8_QUERY", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
+           "Operand", "PACKED_BITS", "QUERY_BITS", "c_header", "check_format", "encode", "format_ints", "format_of", "is_float", "is_one_row", "midpoints", "tokens_per_group",
            "word_layout"]  # fmt: skip

@@ -22,8 +22,8 @@ from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.uniform import check_shape
 
 
-def _check_format(bits: int, axis: int, group: int, allow_fp: bool = False) -> None:
-    fmt.check_format(bits, axis, group, allow_float=allow_fp)
+def _check_format(bits: int, axis: int, group: int, allow_fp: bool = False, query_bits: int = fmt.FLOAT_QUERY) -> None:
+    fmt.check_format(bits, axis, group, allow_float=allow_fp, query_bits=query_bits)
 
 
 def _meta_shapes(shape, bits: int, axis: int, group: int) -> tuple[list[int], list[int]]:
@@ -74,7 +74,8 @@ def _check_quantize(x, format, codebook, lo, hi, n_outliers, scale_dtype=torch.f
     """Validate kvq.quantize's arguments; returns the format's (bits, axis, group)."""
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"kvq: scale_dtype must be float16, bfloat16 or float32, got {scale_dtype}")
-    bits, axis, group = fmt.format_of(format)
+    bits, axis, group, query_bits = fmt.format_of(format)
+    _check_format(bits, axis, group, query_bits=query_bits)
     _check_quantize_format(x, bits, axis, group, codebook, lo, hi, n_outliers)
     return bits, axis, group
 
@@ -171,7 +172,7 @@ def _(operand, format, dtype):
 
 def _check_dequantize(operand, format) -> Operand:
     o = Operand.from_lists(operand, format)
-    _check_format(o.bits, o.axis, o.group, allow_fp=True)
+    _check_format(o.bits, o.axis, o.group, allow_fp=True, query_bits=o.query_bits)
     _check_codebook_shape(o.codebook if o.codebook is not None else o.codes.new_zeros(0), o.bits)
     if (o.out_val is None) != (o.out_idx is None):
         raise ValueError("kvq.dequantize: out_val and out_idx come together (both or neither)")
@@ -382,7 +383,10 @@ def _quantize_fixed_out_fake(x, bits, zero, scale, codebook, lo, hi, n_outliers,
 
 
 def _check_operand(o: Operand, name: str) -> None:
-    _check_format(o.bits, o.axis, o.group, allow_fp=True)
+    _check_format(o.bits, o.axis, o.group, allow_fp=True, query_bits=o.query_bits)
+    if o.int8_query and (name != "k" or o.codebook is not None):
+        raise ValueError(f"kvq attention: an int8 query scores keys with uniform codes; {name} has "
+                         + ("a codebook" if name == "k" else "it (values take query_bits 0)"))  # fmt: skip
     for field in ("codes", "side"):
         if not isinstance(getattr(o, field), torch.Tensor):
             raise ValueError(f"kvq attention: {name}'s {field} must be a tensor, got {type(getattr(o, field)).__name__}")
@@ -418,6 +422,9 @@ def _check_attention(a: dict, decode: bool) -> dict:
         raise ValueError(f"kvq.decode_attention takes one query token, got {q.shape[2]}: use kvq.chunk_attention")
     if rope is not None and (rope.dim() != 1 or rope.numel() != k.side.shape[-1] // 2):
         raise ValueError(f"kvq attention: rope_inv_freq must be None (post-RoPE keys) or head_dim/2 = {k.side.shape[-1] // 2} long")
+    if rope is not None and k.int8_query:
+        raise ValueError("kvq attention: an int8 query (query_bits 8) needs post-RoPE keys (rope_inv_freq None): "
+                         "pre-RoPE keys are rotated per position after dequantization")  # fmt: skip
     hq, hkv = q.shape[1], k.codes.shape[1]
     if hq % hkv:
         raise ValueError(f"kvq attention: {hq} query heads is not a multiple of {hkv} key/value heads")

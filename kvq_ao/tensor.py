@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from kvq_ao._torchao import TorchAOBaseTensor
-from kvq_ao.format import AXIS_CHANNEL, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float
+from kvq_ao.format import AXIS_CHANNEL, FLOAT_QUERY, INT8_QUERY, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.ops import attention_arguments as op_arguments
 from kvq_ao.quant import rotation
@@ -42,7 +42,7 @@ class QuantizedKV(TorchAOBaseTensor):
     # unflatten pass the tensors, then the attributes, positionally in these orders.
     tensor_data_names = [*OPERAND_TENSORS, "side_pos", "body_end", "rope_inv_freq", "rotation"]
     tensor_attribute_names = [*OPERAND_INTS, "body_start", "logical_dtype", "rope_scale"]
-    _DEFAULTS = {"rope_scale": 1.0}
+    _DEFAULTS = {"rope_scale": 1.0, "query_bits": FLOAT_QUERY}
 
     @classmethod
     def _fields(cls, args: tuple, kwargs: dict) -> dict:
@@ -81,6 +81,8 @@ class QuantizedKV(TorchAOBaseTensor):
             fmt += f" +{self.out_val.shape[-1]} outliers/vector"
         if self.pre_rope:
             fmt += " pre-RoPE"
+        if self.query_bits == INT8_QUERY:
+            fmt += " int8-query scores"
         if self.rotated:
             fmt += " rotated"
         return f"QuantizedKV(shape={tuple(self.shape)}, {fmt}, side={self.side.shape[2]})"

@@ -71,15 +71,16 @@ def _fixed_ranges(x, bits, cb, outliers):
     return codes, row(scale), row(zero), out_val, out_idx, ONE_ROW
 
 
-def operand(x, side, bits, axis, group, codebook=False, outliers=0, dtype=torch.float32) -> Operand:
+def operand(x, side, bits, axis, group, codebook=False, outliers=0, query_bits=0, dtype=torch.float32) -> Operand:
     """K or V of x [B, H, T, D] (float32) in a format with side entries `side`, as an attention
-    operand (bits 0: a float body; group FIXED with the channel axis: calibrated ranges).
+    operand (bits 0: a float body; group FIXED with the channel axis: calibrated ranges;
+    query_bits 8: keys scored against an int8 query).
     Outlier thresholds of +-1.5 make a few entries per vector outliers; model-dtype fields (a float
     body, outlier values) are in `dtype`."""
     fixed = group == FIXED and axis == AXIS_CHANNEL and bits
     group = 16 if group == FIXED and not fixed else group
-    fields = dict(bits=bits, axis=axis, group=group, codes=x.to(dtype), scale=None, zero=None, codebook=None,
-                  out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
+    fields = dict(bits=bits, axis=axis, group=group, query_bits=query_bits, codes=x.to(dtype), scale=None, zero=None,
+                  codebook=None, out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
     if bits:
         cb = nf_codebook(bits) if codebook and bits <= 4 else None
         h, d = x.shape[1], x.shape[-1]
@@ -129,6 +130,33 @@ def _rotate64(x, positions, inv_freq, scale):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def int8_scores64(q, k: Operand):
+    """The int8-query key scores (`kvq_ao.format`) of q [B, Hq, Tq, D] over k's body [B, Hkv, T, D],
+    written out independently of the kernels: the query's rounding in float32 as the format fixes
+    it, everything after it in float64 -> [B, Hq, Tq, T]."""
+    levels = dequantize_operand(k.replace(scale=torch.ones_like(k.scale), zero=torch.zeros_like(k.zero), out_val=None, out_idx=None),
+                                torch.float64)  # the integer codes  # fmt: skip
+    dense = dequantize_operand(k.replace(out_val=None, out_idx=None), torch.float64)
+    exact = dequantize_operand(k, torch.float64)
+    b, hkv, t, d = levels.shape
+    n = q.shape[1] // hkv
+    per_row = t if k.group == ONE_ROW else k.group
+    out = torch.zeros(b, q.shape[1], q.shape[2], t, dtype=torch.float64)
+    for r in range(t // per_row):
+        tok = slice(r * per_row, (r + 1) * per_row)
+        sc = k.scale[:, :, r].float().repeat_interleave(n, 1)[:, :, None]  # [B, Hq, 1, D]
+        zc = k.zero[:, :, r].double().repeat_interleave(n, 1)[:, :, None]
+        qs = q.float() * sc
+        top = qs.abs().amax(-1, keepdim=True)
+        inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))  # float32, as the format says
+        q8 = torch.round(qs * inv).double()
+        lv = levels[:, :, tok].repeat_interleave(n, 1)
+        corr = (exact - dense)[:, :, tok].repeat_interleave(n, 1)
+        out[..., tok] = (top.double() / 127) * (q8 @ lv.transpose(-1, -2)) + (q.double() * zc).sum(-1, keepdim=True) \
+            + q.double() @ corr.transpose(-1, -2)
+    return out
+
+
 def reference_attention(named, position_offset: int = 0, with_lse: bool = False):
     """float64: build logical K/V (body in [start, end), side elsewhere) and do softmax attention.
 
@@ -156,7 +184,12 @@ def reference_attention(named, position_offset: int = 0, with_lse: bool = False)
                 valid[p] = True
         n = q.shape[1] // k.shape[1]
         ki, vi = ki.repeat_interleave(n, 1), vi.repeat_interleave(n, 1)
-        scores = (q[:, :, i : i + 1].double() @ ki.transpose(-1, -2)) * a["scaling"]
+        scores = q[:, :, i : i + 1].double() @ ki.transpose(-1, -2)
+        if a["k"].int8_query:  # body positions the query reads from the body: scored from the codes
+            in_body = torch.zeros(t, dtype=torch.bool)
+            in_body[body_start:body_end] = True
+            scores = torch.where(in_body, int8_scores64(q[:, :, i : i + 1], a["k"]), scores)
+        scores = scores * a["scaling"]
         if a["softcap"]:  # Gemma-2's attention logit soft-capping
             scores = a["softcap"] * torch.tanh(scores / a["softcap"])
         scores = scores.masked_fill(~(a["mask"][:, :, i : i + 1] & valid), float("-inf"))
@@ -236,11 +269,12 @@ def bounds_for(batch: int, q_pos: torch.Tensor, pad: list[int], window: int | No
 
 
 def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(0, 0), pre_rope=False, softcap=0.0,
-                   length=None, sink=1, residual=7, per_query=False):  # fmt: skip
+                   length=None, sink=1, residual=7, per_query=False, k_query_bits=0):  # fmt: skip
     """A layer's cache of `length` tokens (capacity rounded up to 16s) with `tq` queries at its end:
     sink position 0 and the last `residual`-ish positions in the side store, the rest in the body.
     per_query: each query has its own body end (as the cache gives a prefill chunk), and the side
-    store holds everything from the first query's body end on."""
+    store holds everything from the first query's body end on. k_query_bits 8: keys scored
+    against an int8 query."""
     g = torch.Generator().manual_seed(seed)
     length = length or max(tq, 1) + 40
     t = -(-length // 16) * 16 + 16
@@ -259,6 +293,7 @@ def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(
         x = torch.randn(2, hkv, t, d, generator=g) * scale
         named[prefix] = operand(x, sides[prefix], bits, axis, group[0] if group else 16, codebook,
                                 outliers if axis == AXIS_CHANNEL or bits else 0)  # fmt: skip
+    named["k"] = named["k"].replace(query_bits=k_query_bits)
     named["mask"] = bounds_for(2, torch.arange(length - tq, length), list(pad), window)
     return named
 
@@ -315,6 +350,14 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
     "softcap": dict(softcap=2.5, pre_rope=True),
     "float16": dict(dtype=torch.float16, head_mask=True),
     "bfloat16": dict(dtype=torch.bfloat16, pre_rope=True, k_fmt=(3, AXIS_CHANNEL, 16, True, 2), v_fmt=(4, AXIS_TOKEN, 16, False, 1)),
+    # keys scored against an int8 query (k_fmt's 6th field: query_bits): 16-row blocks of 2 and 4 bits
+    # at head_dim 64 (AVX-512 VNNI), the portable loop for the rest, outliers, calibrated rows
+    "int8-query-k4": dict(k_fmt=(4, AXIS_CHANNEL, 16, False, 0, 8), blocks=7),
+    "int8-query-k2-g32-outliers": dict(k_fmt=(2, AXIS_CHANNEL, 32, False, 2, 8), v_fmt=(2, AXIS_TOKEN, 32, False, 0), blocks=8,
+                                       head_mask=True),
+    "int8-query-k3-g8-bf16": dict(k_fmt=(3, AXIS_CHANNEL, 8, False, 1, 8), dtype=torch.bfloat16, window=40),
+    "int8-query-k8-calibrated-rows-softcap": dict(k_fmt=(8, AXIS_CHANNEL, FIXED, False, 1, 8), blocks=9, softcap=2.5),
+    "int8-query-k4-gqa8-d128": dict(k_fmt=(4, AXIS_CHANNEL, 16, False, 0, 8), ratio=8, hkv=1, d=128, blocks=6),
 }
 
 
@@ -331,6 +374,8 @@ CHUNK_CASES = {  # id -> streaming_case arguments (tq, k format, v format, keywo
     "float-bodies-gqa8": (5, STREAM_FORMATS[0], STREAM_FORMATS[0], dict(hq=8, hkv=1)),
     "k8-gqa1": (2, STREAM_FORMATS[5], STREAM_FORMATS[3], dict(hq=2, hkv=2, pad=(20, 0))),
     "many-blocks": (40, STREAM_FORMATS[2], STREAM_FORMATS[3], dict(length=300, pre_rope=True, per_query=True)),
+    "int8-query-k4-outliers": (9, STREAM_FORMATS[6], STREAM_FORMATS[3], dict(k_query_bits=8, per_query=True, length=150)),
+    "int8-query-calibrated-rows": (5, STREAM_FORMATS[8], STREAM_FORMATS[4], dict(k_query_bits=8, window=30)),
 }
 
 

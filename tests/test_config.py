@@ -126,3 +126,21 @@ def test_calibrated_key_ranges_round_trip_label_and_are_checked():
         QuantSpec(3, "token", 32, ranges="calibrated")
     with pytest.raises(ValueError, match="ranges must be one of"):
         QuantSpec(3, "channel", ranges="static")
+
+
+def test_int8_key_scores_round_trip_label_and_are_checked():
+    """`scores="int8"` (keys scored against an int8 query) survives JSON, shows in the label, and is
+    refused where the codes are not a uniform per-channel grid, on values and with pre-RoPE keys."""
+    spec = QuantSpec(4, "channel", 32, scores="int8")
+    assert QuantSpec.from_dict(spec.to_dict()) == spec and spec.label() == "int4-c32-q8"
+    assert "scores" not in QuantSpec(4, "channel", 32).to_dict()
+    cfg = PRESETS["kivi-4-q8"]
+    assert cfg.default.key.scores == "int8" and cfg.default.value.scores == "float"
+    assert KVQuantConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in (dict(bits=4, axis="token"), dict(bits=None), dict(bits=4, axis="channel", dtype="nf"), dict(bits=4, scores="int4")):
+        with pytest.raises(ValueError, match="scores"):
+            QuantSpec(**{"scores": "int8", **bad})
+    with pytest.raises(ValueError, match="int8 key scores need pre_rope_keys false"):
+        KVQuantConfig(default=LayerKV(spec, QuantSpec(4, "token", 32)), pre_rope_keys=True)
+    with pytest.raises(ValueError, match="for keys"):
+        KVQuantConfig(default=LayerKV(spec, spec))

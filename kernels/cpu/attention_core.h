@@ -434,6 +434,7 @@ struct OperandArgs {
   View out_idx;   // their channels (uint8)
   View side;      // full-precision entries (sink, recent window)
   int64_t bits = kvq_format::kFloatBits, axis = kvq_format::kAxisToken, group = 1;
+  int64_t query_bits = kvq_format::kFloatQuery;  // how keys are scored (kvq_ao/format.py)
 };
 
 // The kernel's arguments: the two operands and the fields they share (ATTENTION_SCHEMA, kvq_ao/ops.py).
@@ -511,6 +512,7 @@ OperandArgs operand_of(const char* name, const List& tensors, const Ints& format
   o.side = field(kvq_format::SIDE);
   check(o.codes.present && o.side.present, name, " needs its codes and side tensors (got None)");
   o.bits = format[kvq_format::BITS], o.axis = format[kvq_format::AXIS], o.group = format[kvq_format::GROUP];
+  o.query_bits = format[kvq_format::QUERY_BITS];
   return o;
 }
 
@@ -539,6 +541,8 @@ struct Scratch {
   int64_t meta_row = -1;
   alignas(64) float qs[kMaxGroupHeads * kMaxHeadDim];
   float bias[kMaxGroupHeads];  // q * scale and q . zero of meta_row
+  alignas(64) int8_t q8[kMaxGroupHeads * kMaxHeadDim];  // int8-query keys: q * scale rounded, and its step
+  float alpha[kMaxGroupHeads];
 };
 
 // Everything a task needs besides the shared partial results: allocated once per thread and kept
@@ -576,6 +580,7 @@ struct Operand {
   int n_out = 0;
   float levels[16] = {};                          // codebook levels (or the integer grid)
   bool codebook = false;
+  bool int8_query = false;                        // keys scored against an int8 query (kvq_format::kInt8Query)
 
   // The fast paths (defined below): keys with per-channel groups scored from their levels, values
   // with per-token groups accumulated from their levels.
@@ -759,6 +764,140 @@ struct Operand {
   bool wide_scores() const { return kWide == 16 && BITS != 3 && (dim / kPlanesOf<BITS>) % 16 == 0; }
   template <int BITS>
   bool wide_values() const { return wide_scores<BITS>() && group % 16 == 0; }
+
+  // Int8-query keys (kvq_ao/format.py): tmp.q8 and tmp.alpha of each head from tmp.qs = q * scale,
+  // each step one float32 operation as the format fixes it, so every kernel gets the same int8
+  // vector. A head whose qs holds NaN or Inf gets alpha NaN: its scores are NaN, as the reference's.
+  void quantize_query(int n_heads, Scratch& tmp) const {
+    for (int h = 0; h < n_heads; ++h) {
+      const float* qs = tmp.qs + h * dim;
+      int8_t* q8 = tmp.q8 + h * dim;
+      float m = 0.f;
+      bool finite = true;
+      for (int d = 0; d < dim; ++d) {
+        m = std::max(m, std::fabs(qs[d]));
+        finite = finite && std::isfinite(qs[d]);
+      }
+      for (int d = 0; d < dim; ++d) q8[d] = 0;
+      if (!finite) {
+        tmp.alpha[h] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      if (m > 0.f) {
+        const float inv = 127.f / m;
+        for (int d = 0; d < dim; ++d) q8[d] = static_cast<int8_t>(std::nearbyint(qs[d] * inv));
+      }
+      tmp.alpha[h] = m / 127.f;
+    }
+  }
+
+  // The codes of a packed row in channel order (planar packing: plane i of word j is channel i * P + j).
+  template <int BITS>
+  void row_codes(const uint8_t* row, uint8_t* out) const {
+    if constexpr (BITS == 8) {
+      std::memcpy(out, row, dim);
+    } else {
+      constexpr int kPlanes = kPlanesOf<BITS>, kMask = (1 << BITS) - 1;
+      const int P = dim / kPlanes;
+      for (int j = 0; j < P; ++j) {
+        int32_t word = row[j];
+        if constexpr (BITS == 3) word |= (row[P + j] << 8) | (row[2 * P + j] << 16);
+        for (int i = 0; i < kPlanes; ++i) out[i * P + j] = static_cast<uint8_t>((word >> (i * BITS)) & kMask);
+      }
+    }
+  }
+
+  // scores[h * kTile + j] = alpha[h] * (q8[h] . codes of token `first + j`), j < count, h < n_heads:
+  // the int32 dot products of the int8 query with the codes (exact), scaled once. AVX-512 VNNI takes
+  // 16 rows of 2- and 4-bit codes at head_dim 64 at a time; every other shape and CPU the portable
+  // loop below (which compilers turn into their dot-product instructions where they have them).
+  template <int BITS>
+  void int8_scores(const Scratch& tmp, int n_heads, int64_t first, int count, float* scores) const {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
+    int j = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if constexpr (BITS == 4 || BITS == 2)
+      if (dim == 64)
+        for (; j + 16 <= count; j += 16) vnni_scores64<BITS>(tmp, n_heads, src + j * row_bytes, scores + j);
+#endif
+    // codes below 2^7 as signed bytes: a signed 8 x 8-bit dot product (Arm's sdot; x86 widens to pmaddwd)
+    typedef std::conditional_t<BITS == 8, uint8_t, int8_t> Code;
+    alignas(64) uint8_t raw[kMaxHeadDim];
+    const Code* codes = reinterpret_cast<const Code*>(raw);
+    for (; j < count; ++j) {
+      prefetch_ahead(src, j);
+      row_codes<BITS>(src + j * row_bytes, raw);
+      for (int h = 0; h < n_heads; ++h) {
+        const int8_t* q8 = tmp.q8 + h * dim;
+        int32_t acc = 0;
+        for (int d = 0; d < dim; ++d) acc += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(q8[d]);
+        scores[h * kTile + j] = tmp.alpha[h] * static_cast<float>(acc);
+      }
+    }
+  }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // Index vectors of one reduction level: two registers whose 16 / w groups of w lanes each hold one
+  // row's partial sums -> one register of twice as many rows, w / 2 lanes each, rows in order.
+  struct PairIndices {
+    __m512i lo, hi;
+    explicit PairIndices(int w) {
+      alignas(64) int32_t l[16], h[16];
+      const int half = w / 2;
+      for (int i = 0; i < 16; ++i) {
+        const int group = i / half, elem = i % half;  // x's groups first, then y's (indices 16-31)
+        const int base = group < 16 / w ? group * w : 16 + (group - 16 / w) * w;
+        l[i] = base + elem, h[i] = base + half + elem;
+      }
+      lo = _mm512_load_si512(l), hi = _mm512_load_si512(h);
+    }
+  };
+  static __m512i reduce_pair(__m512i x, __m512i y, const PairIndices& ix) {
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(x, ix.lo, y), _mm512_permutex2var_epi32(x, ix.hi, y));
+  }
+
+  // 16 rows of head_dim-64 codes from `rows`: vpdpbusd multiplies 64 unsigned codes by 64 int8 query
+  // entries into 16 int32 lanes. 4 bits: a 64-byte load is two rows, their low nibbles channels
+  // 0-31 and high nibbles 32-63; 2 bits: four rows, plane i channels 16i to 16i + 15. Permute-and-add
+  // levels then reduce the rows' lanes to one register of 16 scores.
+  template <int BITS>
+  void vnni_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, float* scores) const {
+    constexpr int kRowsPerLoad = BITS == 4 ? 2 : 4, kLoads = 16 / kRowsPerLoad, kPlanes = 8 / BITS;
+    static const PairIndices w8(8), w4(4), w2(2);
+    const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1));
+    for (int r = 0; r < 16; ++r) prefetch_ahead(rows, r);
+    __m512i plane[kLoads][kPlanes];
+    for (int l = 0; l < kLoads; ++l) {
+      const __m512i x = _mm512_loadu_si512(rows + l * 64);
+      for (int i = 0; i < kPlanes; ++i) plane[l][i] = _mm512_and_si512(_mm512_srli_epi16(x, i * BITS), mask);
+    }
+    for (int h = 0; h < n_heads; ++h) {
+      const int8_t* q8 = tmp.q8 + h * dim;
+      __m512i q[kPlanes];  // the query channels each plane meets, repeated for every row of a load
+      for (int i = 0; i < kPlanes; ++i) {
+        if constexpr (BITS == 4) q[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i)));
+        else q[i] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + 16 * i)));
+      }
+      __m512i acc[kLoads];
+      for (int l = 0; l < kLoads; ++l) {
+        acc[l] = _mm512_setzero_si512();
+        for (int i = 0; i < kPlanes; ++i) acc[l] = _mm512_dpbusd_epi32(acc[l], plane[l][i], q[i]);
+      }
+      __m512i sums;
+      if constexpr (BITS == 4) {  // 8 registers of 2 rows x 8 lanes
+        __m512i l1[4], l2[2];
+        for (int p = 0; p < 4; ++p) l1[p] = reduce_pair(acc[2 * p], acc[2 * p + 1], w8);
+        for (int p = 0; p < 2; ++p) l2[p] = reduce_pair(l1[2 * p], l1[2 * p + 1], w4);
+        sums = reduce_pair(l2[0], l2[1], w2);
+      } else {  // 4 registers of 4 rows x 4 lanes
+        __m512i l2[2];
+        for (int p = 0; p < 2; ++p) l2[p] = reduce_pair(acc[2 * p], acc[2 * p + 1], w4);
+        sums = reduce_pair(l2[0], l2[1], w2);
+      }
+      _mm512_storeu_ps(scores + h * kTile, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(tmp.alpha[h])));
+    }
+  }
+#endif
 
   // scores[h * kTile + j] = qs[h] . levels of token `first + j`, j < count, h < NH (qs rows `dim`
   // apart): each row's codes unpacked in registers and consumed there, no level tile written.
@@ -1020,6 +1159,11 @@ inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim
   // calibrated key ranges: one per-channel group spanning the whole body
   if (is_one_row(axis, group)) group = T > 0 ? T : 1;
   o.group = static_cast<int>(group);
+  check(in.query_bits == kFloatQuery || in.query_bits == kInt8Query, name, " query_bits must be ", kFloatQuery, " (float scores) or ",
+        kInt8Query, " (int8 query), got ", in.query_bits);
+  o.int8_query = in.query_bits == kInt8Query;
+  check(!o.int8_query || (!o.is_float && o.per_channel && !in.codebook.present), "an int8 query (query_bits ", kInt8Query,
+        ") scores packed codes with uniform levels in per-channel groups; ", name, " is not");
   check(dim > 0 && dim <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", dim);
   check(codes.dim == 4 && codes.size(0) == B && codes.size(1) == H && codes.size(2) == T,
         name, " codes must be [", B, ", ", H, ", ", T, ", bytes], got ", codes.shape());
@@ -1402,17 +1546,21 @@ KVQ_PROFILED inline float softmax_step(const float* sh, int count, float best, P
 void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
                                 float* scores, Scratch& tmp) const {
   const bool fused = fusable();
-  if (!fused) levels_tile(bh, T, t0, count, lv);
+  if (!fused && !int8_query) levels_tile(bh, T, t0, count, lv);
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
   for (int i = 0; i < count;) {
     const int64_t row = (t0 + i) / group;
     const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
-    if (load_scale_row(bh * (T / group) + row, tmp))
+    if (load_scale_row(bh * (T / group) + row, tmp)) {
       for (int h = 0; h < n_heads; ++h) {
         for (int d = 0; d < dim; ++d) tmp.qs[h * dim + d] = q[h * dim + d] * tmp.scale[d];
         tmp.bias[h] = dot(q + h * dim, tmp.zero, dim);
       }
-    if (fused) {
+      if (int8_query) quantize_query(n_heads, tmp);
+    }
+    if (int8_query) {
+      with_format([&](auto bits_c, auto) { int8_scores<decltype(bits_c)::value>(tmp, n_heads, bh * T + t0 + i, end - i, scores + i); });
+    } else if (fused) {
       with_format([&](auto bits_c, auto cb_c) {
         constexpr int B = decltype(bits_c)::value, kMax = 4;  // 2 x 4 accumulators
         constexpr bool CB = decltype(cb_c)::value;
@@ -1434,7 +1582,7 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
       for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
     for_each_outlier(bh * T + t0 + i, end - i, [&](int jj, int d, float exact) {
       const int j = i + jj;
-      const float level = fused ? level_at(rows + j * row_bytes, d) : lv[j * kRow + d];
+      const float level = fused || int8_query ? level_at(rows + j * row_bytes, d) : lv[j * kRow + d];
       const float delta = exact - (tmp.scale[d] * level + tmp.zero[d]);
       for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
     });
@@ -1629,6 +1777,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   const float scale_f = scaling, softcap_f = softcap, rope_f = static_cast<float>(a.rope_scale);
   const int half = static_cast<int>(D / 2);
   const int nh = static_cast<int>(n_heads), dk = static_cast<int>(D), dv = static_cast<int>(Dv);
+  check(!V.int8_query, "values take query_bits ", kvq_format::kFloatQuery, " (an int8 query scores keys)");
+  check(!(K.int8_query && pre_rope), "an int8 query needs post-RoPE keys (rope_inv_freq None)");
   const bool direct_k = !K.is_float && K.per_channel && !pre_rope;
   const bool rope_k = !K.is_float && K.per_channel && pre_rope && K.rope_fusable();
   const bool direct_v = !V.is_float && !V.per_channel && V.group % 8 == 0;

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kvq_ao.format import format_of
 from kvq_ao.kernels.cpu import GENERATED_HEADER, HEADERS, generated_header
 
 HERE = Path(__file__).parent
@@ -161,7 +162,8 @@ def write_groups_case(x: torch.Tensor, format: list[int], scale_dtype: torch.dty
         raise ValueError(f"the portable runner codes float32 x [B, H, T, D], got {x.dtype} {list(x.shape)}")
     cb = codebook.float()
     mids = (cb[1:] + cb[:-1]) * 0.5 if cb.numel() else torch.zeros(0)
-    parts = [b"KVQG", struct.pack("<i", CASE_VERSION), _tensor(x), struct.pack("<4q", *format, SCALE_TYPES[scale_dtype])]
+    bits, axis, group, _ = format_of(format)  # how keys are scored is not the quantizer's concern
+    parts = [b"KVQG", struct.pack("<i", CASE_VERSION), _tensor(x), struct.pack("<4q", bits, axis, group, SCALE_TYPES[scale_dtype])]
     parts += [_tensor(t.float().contiguous()) for t in (mids, lo, hi)]
     parts.append(struct.pack("<q", n_outliers))
     path.write_bytes(b"".join(parts))

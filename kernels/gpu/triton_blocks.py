@@ -24,10 +24,12 @@ ONE_ROW = tl.constexpr(fmt.ONE_ROW)
 def supported(head_dim: int, k, v) -> bool:
     """Whether the block tiles take queries of `head_dim` over operands k and v (anything with
     `group`, `bits` and a `side` store [..., Dv]: a `kvq_ao.format.Operand` or a QuantizedKV):
-    power-of-two head_dims (>= 32, keys and values) and power-of-two groups."""
+    power-of-two head_dims (>= 32, keys and values) and power-of-two groups, keys scored in float
+    (the int8-query format, `kvq_ao.format.INT8_QUERY`, is not built here: the kvq ops serve it)."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     groups = all(pow2(o.group) or o.group == fmt.ONE_ROW or o.bits == fmt.FLOAT_BITS for o in (k, v))
-    return all(pow2(d) and d >= 32 for d in (head_dim, v.side.shape[-1])) and groups
+    float_scores = k.query_bits == fmt.FLOAT_QUERY
+    return all(pow2(d) and d >= 32 for d in (head_dim, v.side.shape[-1])) and groups and float_scores
 
 
 @triton.jit

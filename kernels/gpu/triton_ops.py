@@ -156,8 +156,9 @@ def triton_decode_attention(
     layer's packed cache -> [B, Hq, 1, Dv] in q's dtype."""
     named = _check_attention(named_arguments((), dict(locals())), decode=True)
     if not triton_blocks.supported(q.shape[-1], named["k"], named["v"]):
-        raise ValueError(f"kvq.triton_decode_attention needs a power-of-two head_dim (>= 32) and power-of-two groups; got "
-                         f"head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group} (use kvq.decode_attention)")  # fmt: skip
+        raise ValueError(f"kvq.triton_decode_attention needs a power-of-two head_dim (>= 32), power-of-two groups and float key "
+                         f"scores; got head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group}, key query_bits "
+                         f"{named['k'].query_bits} (use kvq.decode_attention)")  # fmt: skip
     b, hq, _, d = q.shape
     ko, vo = named["k"], named["v"]
     hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
@@ -200,8 +201,9 @@ def triton_chunk_attention(
     block (no float cache, no [Tq, T] scores)."""
     named = _check_attention(named_arguments((), dict(locals())), decode=False)
     if not triton_blocks.supported(q.shape[-1], named["k"], named["v"]):
-        raise ValueError(f"kvq.triton_chunk_attention needs a power-of-two head_dim (>= 32) and power-of-two groups; got "
-                         f"head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group} (use kvq.chunk_attention)")  # fmt: skip
+        raise ValueError(f"kvq.triton_chunk_attention needs a power-of-two head_dim (>= 32), power-of-two groups and float key "
+                         f"scores; got head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group}, key query_bits "
+                         f"{named['k'].query_bits} (use kvq.chunk_attention)")  # fmt: skip
     b, hq, tq, d = q.shape
     ko, vo = named["k"], named["v"]
     hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
