@@ -773,22 +773,56 @@ struct Operand {
       const float* qs = tmp.qs + h * dim;
       int8_t* q8 = tmp.q8 + h * dim;
       float m = 0.f;
-      bool finite = true;
-      for (int d = 0; d < dim; ++d) {
-        m = std::max(m, std::fabs(qs[d]));
-        finite = finite && std::isfinite(qs[d]);
+      bool not_finite = false;
+      int d0 = 0;
+      if (dim % 8 == 0) {  // 8 lanes at a time (a scalar max with NaN checks was most of this path's time)
+        v8f top = splat(0.f);
+        v8i bad = splat_i(0);
+        for (; d0 < dim; d0 += 8) {
+          const v8f x = load8(qs + d0);
+          const v8f a = x < splat(0.f) ? -x : x;
+          top = a > top ? a : top;
+          bad |= (x - x) != splat(0.f);  // NaN or Inf
+        }
+        for (int l = 0; l < 8; ++l) m = top[l] > m ? top[l] : m, not_finite = not_finite || bad[l];
       }
-      for (int d = 0; d < dim; ++d) q8[d] = 0;
-      if (!finite) {
-        tmp.alpha[h] = std::numeric_limits<float>::quiet_NaN();
+      for (int d = d0; d < dim; ++d) {
+        const float a = std::fabs(qs[d]);
+        m = a > m ? a : m;
+        not_finite = not_finite || !(qs[d] - qs[d] == 0.f);
+      }
+      if (not_finite || m == 0.f) {
+        for (int d = 0; d < dim; ++d) q8[d] = 0;
+        tmp.alpha[h] = not_finite ? std::numeric_limits<float>::quiet_NaN() : 0.f;
         continue;
       }
-      if (m > 0.f) {
-        const float inv = 127.f / m;
-        for (int d = 0; d < dim; ++d) q8[d] = static_cast<int8_t>(std::nearbyint(qs[d] * inv));
-      }
+      round_to_int8(qs, 127.f / m, dim, q8);
       tmp.alpha[h] = m / 127.f;
     }
+  }
+
+  // q8[d] = qs[d] * inv rounded to the nearest integer, ties to even (as torch.round), d < dim: the
+  // product then the rounding, never fused. Vector conversions where the CPU has them (x86's
+  // cvtps2dq rounds by MXCSR, whose default is ties to even; Arm's fcvtns); a scalar loop (std::nearbyint,
+  // a library call per entry) had made the whole int8 path slower than float scores.
+  static void round_to_int8(const float* qs, float inv, int dim, int8_t* q8) {
+    int d = 0;
+#if defined(__AVX__)
+    const __m256 s = _mm256_set1_ps(inv);
+    for (; d + 8 <= dim; d += 8) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + d), s)));
+      for (int l = 0; l < 8; ++l) q8[d + l] = static_cast<int8_t>(lanes[l]);
+    }
+#elif defined(__ARM_NEON)
+    const float32x4_t s = vdupq_n_f32(inv);
+    for (; d + 4 <= dim; d += 4) {
+      int32_t lanes[4];
+      vst1q_s32(lanes, vcvtnq_s32_f32(vmulq_f32(vld1q_f32(qs + d), s)));
+      for (int l = 0; l < 4; ++l) q8[d + l] = static_cast<int8_t>(lanes[l]);
+    }
+#endif
+    for (; d < dim; ++d) q8[d] = static_cast<int8_t>(static_cast<int32_t>(__builtin_roundevenf(qs[d] * inv)));
   }
 
   // The codes of a packed row in channel order (planar packing: plane i of word j is channel i * P + j).
@@ -809,7 +843,7 @@ struct Operand {
 
   // scores[h * kTile + j] = alpha[h] * (q8[h] . codes of token `first + j`), j < count, h < n_heads:
   // the int32 dot products of the int8 query with the codes (exact), scaled once. AVX-512 VNNI takes
-  // 16 rows of 2- and 4-bit codes at head_dim 64 at a time; every other shape and CPU the portable
+  // up to 16 rows of 2- and 4-bit codes at head_dim 64 at a time; every other shape and CPU the portable
   // loop below (which compilers turn into their dot-product instructions where they have them).
   template <int BITS>
   void int8_scores(const Scratch& tmp, int n_heads, int64_t first, int count, float* scores) const {
@@ -818,7 +852,7 @@ struct Operand {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if constexpr (BITS == 4 || BITS == 2)
       if (dim == 64)
-        for (; j + 16 <= count; j += 16) vnni_scores64<BITS>(tmp, n_heads, src + j * row_bytes, scores + j);
+        for (; j < count; j += 16) vnni_scores64<BITS>(tmp, n_heads, src + j * row_bytes, std::min(16, count - j), scores + j);
 #endif
     // codes below 2^7 as signed bytes: a signed 8 x 8-bit dot product (Arm's sdot; x86 widens to pmaddwd)
     typedef std::conditional_t<BITS == 8, uint8_t, int8_t> Code;
@@ -860,15 +894,19 @@ struct Operand {
   // entries into 16 int32 lanes. 4 bits: a 64-byte load is two rows, their low nibbles channels
   // 0-31 and high nibbles 32-63; 2 bits: four rows, plane i channels 16i to 16i + 15. Permute-and-add
   // levels then reduce the rows' lanes to one register of 16 scores.
+  // n < 16 rows: the bytes past them are not read (masked loads) and their scores not written.
   template <int BITS>
-  void vnni_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, float* scores) const {
+  void vnni_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, int n, float* scores) const {
     constexpr int kRowsPerLoad = BITS == 4 ? 2 : 4, kLoads = 16 / kRowsPerLoad, kPlanes = 8 / BITS;
     static const PairIndices w8(8), w4(4), w2(2);
     const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1));
-    for (int r = 0; r < 16; ++r) prefetch_ahead(rows, r);
+    for (int r = 0; r < n; ++r) prefetch_ahead(rows, r);
+    const int64_t bytes = int64_t{n} * row_bytes;
     __m512i plane[kLoads][kPlanes];
     for (int l = 0; l < kLoads; ++l) {
-      const __m512i x = _mm512_loadu_si512(rows + l * 64);
+      const int64_t left = bytes - l * 64;
+      const __mmask64 in = left >= 64 ? ~__mmask64{0} : left <= 0 ? __mmask64{0} : (__mmask64{1} << left) - 1;
+      const __m512i x = _mm512_maskz_loadu_epi8(in, rows + l * 64);
       for (int i = 0; i < kPlanes; ++i) plane[l][i] = _mm512_and_si512(_mm512_srli_epi16(x, i * BITS), mask);
     }
     for (int h = 0; h < n_heads; ++h) {
@@ -894,7 +932,8 @@ struct Operand {
         for (int p = 0; p < 2; ++p) l2[p] = reduce_pair(acc[2 * p], acc[2 * p + 1], w4);
         sums = reduce_pair(l2[0], l2[1], w2);
       }
-      _mm512_storeu_ps(scores + h * kTile, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(tmp.alpha[h])));
+      _mm512_mask_storeu_ps(scores + h * kTile, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(tmp.alpha[h])));
     }
   }
 #endif
