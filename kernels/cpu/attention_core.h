@@ -769,6 +769,33 @@ struct Operand {
   // each step one float32 operation as the format fixes it, so every kernel gets the same int8
   // vector. A head whose qs holds NaN or Inf gets alpha NaN: its scores are NaN, as the reference's.
   void quantize_query(int n_heads, Scratch& tmp) const {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (dim % 16 == 0) {  // 16 lanes, narrowed to bytes in registers (vpmovsdb)
+      for (int h = 0; h < n_heads; ++h) {
+        const float* qs = tmp.qs + h * dim;
+        __m512 top = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int d = 0; d < dim; d += 16) {
+          const __m512 x = _mm512_loadu_ps(qs + d);
+          top = _mm512_max_ps(top, _mm512_abs_ps(x));
+          bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // NaN or Inf
+        }
+        const float m = _mm512_reduce_max_ps(top);
+        int8_t* q8 = tmp.q8 + h * dim;
+        if (bad || m == 0.f) {
+          for (int d = 0; d < dim; ++d) q8[d] = 0;
+          tmp.alpha[h] = bad ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+          continue;
+        }
+        const __m512 inv = _mm512_set1_ps(127.f / m);
+        for (int d = 0; d < dim; d += 16)  // the product, then cvtps2dq's rounding (MXCSR's default: ties to even)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + d),
+                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qs + d), inv))));
+        tmp.alpha[h] = m / 127.f;
+      }
+      return;
+    }
+#endif
     for (int h = 0; h < n_heads; ++h) {
       const float* qs = tmp.qs + h * dim;
       int8_t* q8 = tmp.q8 + h * dim;
