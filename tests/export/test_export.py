@@ -15,8 +15,9 @@ pytest.importorskip("executorch", reason="export tests need executorch (installe
 pytest.importorskip("onnxruntime", reason="export tests need onnxruntime (installed by the test extra)")
 
 MAX_LEN = 96
-# kivi-2 with a short fp window and a sink, so 64 tokens really go through packed codes.
-SHORT_WINDOW = dataclasses.replace(KVQuantConfig.preset("kivi-2"), residual_length=8, sink_tokens=1, name="kivi-2-r8")
+# kivi-2 with its keys scored against an int8 query, a short fp window and a sink, so 64 tokens
+# really go through packed codes (kivi-4 below scores in float).
+SHORT_WINDOW = dataclasses.replace(KVQuantConfig.preset("kivi-2-q8"), residual_length=8, sink_tokens=1, name="kivi-2-q8-r8")
 
 
 def _eager_logits(config, tokens):
@@ -42,11 +43,11 @@ def _half_value_outliers(cfg):
     return dataclasses.replace(cfg, default=dataclasses.replace(cfg.default, value=value))
 
 
-@pytest.fixture(scope="module", params=["kivi-2-r8", "kivi-4", "kvquant-nuq3-2pct"])
+@pytest.fixture(scope="module", params=["kivi-2-q8-r8", "kivi-4", "kvquant-nuq3-2pct"])
 def exported(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
     cfg = {
-        "kivi-2-r8": SHORT_WINDOW,
+        "kivi-2-q8-r8": SHORT_WINDOW,
         "kivi-4": KVQuantConfig.preset("kivi-4"),
         # calibrated codebooks and key ranges (keys coded on arrival against fixed per-channel ranges),
         # outlier slots (keys' judged by calibrated channel thresholds and kept in the model's dtype,
