@@ -870,8 +870,8 @@ struct Operand {
 
   // scores[h * kTile + j] = alpha[h] * (q8[h] . codes of token `first + j`), j < count, h < n_heads:
   // the int32 dot products of the int8 query with the codes (exact), scaled once. AVX-512 VNNI takes
-  // up to 16 rows of 2- and 4-bit codes at head_dim 64 at a time; every other shape and CPU the portable
-  // loop below (which compilers turn into their dot-product instructions where they have them).
+  // up to 16 rows of 2- and 4-bit codes at head_dim 64 at a time, AVX2 8; every other shape and CPU the
+  // portable loop below (which compilers turn into their dot-product instructions where they have them).
   template <int BITS>
   void int8_scores(const Scratch& tmp, int n_heads, int64_t first, int count, float* scores) const {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
@@ -880,6 +880,21 @@ struct Operand {
     if constexpr (BITS == 4 || BITS == 2)
       if (dim == 64)
         for (; j < count; j += 16) vnni_scores64<BITS>(tmp, n_heads, src + j * row_bytes, std::min(16, count - j), scores + j);
+#elif defined(__AVX2__)
+    if constexpr (BITS == 4 || BITS == 2)
+      if (dim == 64) {
+        for (; j + 8 <= count; j += 8) avx2_scores64<BITS>(tmp, n_heads, src + j * row_bytes, scores + j, kTile);
+        if (j < count) {  // the last rows, zero-padded to a block of 8
+          alignas(32) uint8_t rows[8 * 32] = {};
+          alignas(32) float part[kMaxGroupHeads * 8];
+          const int n = count - j;
+          std::memcpy(rows, src + j * row_bytes, n * row_bytes);
+          avx2_scores64<BITS>(tmp, n_heads, rows, part, 8);
+          for (int h = 0; h < n_heads; ++h)
+            for (int r = 0; r < n; ++r) scores[h * kTile + j + r] = part[h * 8 + r];
+          j = count;
+        }
+      }
 #endif
     // codes below 2^7 as signed bytes: a signed 8 x 8-bit dot product (Arm's sdot; x86 widens to pmaddwd)
     typedef std::conditional_t<BITS == 8, uint8_t, int8_t> Code;
@@ -896,6 +911,49 @@ struct Operand {
       }
     }
   }
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  // 8 rows of head_dim-64 codes from `rows` (scores h at out + h * stride): vpmaddubsw multiplies
+  // unsigned codes by int8 query entries and adds pairs into int16 (at most 2 x 15 x 127 a pair, 4
+  // such sums a lane: no saturation), vpmaddwd widens to int32. 4 bits: one row a register, low
+  // nibbles channels 0-31, high 32-63; 2 bits: two rows a register, plane i channels 16i to 16i + 15.
+  template <int BITS>
+  void avx2_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, float* out, int stride) const {
+    constexpr int kRowsPerLoad = BITS == 4 ? 1 : 2, kLoads = 8 / kRowsPerLoad, kPlanes = 8 / BITS;
+    const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < 8; ++r) prefetch_ahead(rows, r);
+    __m256i plane[kLoads][kPlanes];
+    for (int l = 0; l < kLoads; ++l) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + l * 32));
+      for (int i = 0; i < kPlanes; ++i) plane[l][i] = _mm256_and_si256(_mm256_srli_epi16(x, i * BITS), mask);
+    }
+    for (int h = 0; h < n_heads; ++h) {
+      const int8_t* q8 = tmp.q8 + h * dim;
+      __m256i q[kPlanes];
+      for (int i = 0; i < kPlanes; ++i) {
+        if constexpr (BITS == 4) q[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i));
+        else q[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + 16 * i)));
+      }
+      __m256i acc[kLoads];
+      for (int l = 0; l < kLoads; ++l) {
+        __m256i p = _mm256_maddubs_epi16(plane[l][0], q[0]);
+        for (int i = 1; i < kPlanes; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(plane[l][i], q[i]));
+        acc[l] = _mm256_madd_epi16(p, ones);
+      }
+      __m256i sums;
+      if constexpr (BITS == 4) {  // 8 registers of one row x 8 lanes: the float hsum8x8's transposing sums
+        const __m256i a01 = _mm256_hadd_epi32(acc[0], acc[1]), a23 = _mm256_hadd_epi32(acc[2], acc[3]);
+        const __m256i a45 = _mm256_hadd_epi32(acc[4], acc[5]), a67 = _mm256_hadd_epi32(acc[6], acc[7]);
+        const __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67);
+        sums = _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+      } else {  // 4 registers of 2 rows (one a half) x 4 lanes -> rows 0 2 4 6 | 1 3 5 7, then in order
+        const __m256i h0 = _mm256_hadd_epi32(acc[0], acc[1]), h1 = _mm256_hadd_epi32(acc[2], acc[3]);
+        sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h0, h1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      }
+      _mm256_storeu_ps(out + h * stride, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(tmp.alpha[h])));
+    }
+  }
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // Index vectors of one reduction level: two registers whose 16 / w groups of w lanes each hold one

@@ -7,6 +7,8 @@ This module builds the same arithmetic (attention_core.h, quantize_core.h) into 
 
 * `generic`: this machine's compiler with no `-march` (x86-64's baseline: none of the AVX paths,
   the GCC vector extensions lowered to SSE2), run natively: the fallback any other CPU gets;
+* `avx2`: `-march=x86-64-v3`, the AVX2 + FMA paths (a Zen 3's build), run natively on a CPU that
+  has them (an AVX-512 machine's own build never runs them);
 * `aarch64`: Debian's cross compiler (`aarch64-linux-gnu-g++`, ARMv8.2-A with the dot-product
   extension, NEON), statically linked and run under `qemu-aarch64` (correctness, not speed);
 
@@ -45,9 +47,13 @@ class Target:
     flags: tuple[str, ...]
     emulator: tuple[str, ...] = ()  # how to run its binaries here (empty: natively)
     package_hint: str = ""
+    cpu_flags: tuple[str, ...] = ()  # what this machine's CPU must have to run its binaries natively
 
     def unavailable(self) -> str | None:
         """Why this target cannot be built and run here, or None."""
+        lacking = [f for f in self.cpu_flags if f not in _cpu_flags()]
+        if lacking:
+            return f"this CPU lacks {', '.join(lacking)}"
         missing = [tool for tool in (self.compiler, *self.emulator[:1]) if shutil.which(tool) is None]
         if missing:
             return f"{' and '.join(missing)} not on PATH{f' (Debian: apt-get install {self.package_hint})' if self.package_hint else ''}"
@@ -57,8 +63,22 @@ class Target:
 COMMON_FLAGS = ("-O2", "-std=c++17", "-fno-math-errno")
 # This machine's baseline: x86-64 without AVX on x86; elsewhere the compiler's default target.
 BASELINE = ("-march=x86-64", "-mtune=generic") if platform.machine() in ("x86_64", "AMD64") else ()
+
+
+def _cpu_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
 TARGETS = {
     "generic": Target("generic", "g++", (*COMMON_FLAGS, *BASELINE)),
+    # x86-64-v3 (AVX2, FMA, F16C, BMI2): the 8-lane AVX2 paths an AVX-512 machine's own build never
+    # runs, built and run natively where the CPU has them
+    "avx2": Target("avx2", "g++", (*COMMON_FLAGS, "-march=x86-64-v3"), cpu_flags=("avx2", "fma", "f16c", "bmi2", "movbe")),
     "aarch64": Target("aarch64", "aarch64-linux-gnu-g++", (*COMMON_FLAGS, "-march=armv8.2-a+dotprod", "-static"),
                       ("qemu-aarch64",), "g++-aarch64-linux-gnu qemu-user"),
 }

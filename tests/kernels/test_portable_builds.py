@@ -89,7 +89,7 @@ def built(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["generic", "aarch64"])
+@pytest.mark.parametrize("name", ["generic", "avx2", "aarch64"])
 def test_every_decode_case_matches_the_oracle(built, name):
     target, binary, directory = built(name)
     assert _mismatches(target, binary, directory) == {}
@@ -117,15 +117,20 @@ def test_a_planted_error_in_the_vector_code_fails_the_cases(built, name, tmp_pat
     assert len([c for c in bad if c in float_scores]) >= len(float_scores) // 2, bad
 
 
-@pytest.mark.parametrize("name", ["generic", "aarch64"])
+@pytest.mark.parametrize("name", ["generic", "avx2", "aarch64"])
 def test_a_planted_error_in_the_int8_dot_product_fails_the_int8_query_cases(built, name, tmp_path):
-    """The portable int8 dot product (what both builds score int8-query keys with; sdot on Arm at
-    -O3) pairing each code with its neighbour's query entry must fail every int8-query case."""
+    """The portable int8 dot product (what these builds score int8-query keys with; sdot on Arm at
+    -O3) pairing each code with its neighbour's query entry, and in the AVX2 build also its 8-row
+    blocks (2- and 4-bit codes at head_dim 64) summing each pair twice, must fail every int8-query case."""
     target, _, _ = built(name)
     source = (portable.HERE / "attention_core.h").read_text()
-    right = "acc += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(q8[d]);"
-    assert source.count(right) == 1
-    (tmp_path / "attention_core.h").write_text(source.replace(right, right.replace("q8[d]", "q8[d ^ 1]")))
+    plants = {"acc += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(q8[d]);": ("q8[d]", "q8[d ^ 1]")}
+    if name == "avx2":
+        plants["acc[l] = _mm256_madd_epi16(p, ones);"] = ("ones", "_mm256_set1_epi16(2)")
+    for right, (a, b) in plants.items():
+        assert source.count(right) == 1
+        source = source.replace(right, right.replace(a, b))
+    (tmp_path / "attention_core.h").write_text(source)
     bad = _mismatches(target, portable.build_runner(target, tmp_path, header_dir=tmp_path), tmp_path)
     int8_cases = [c for c in DECODE_CASES if c.startswith("int8-query")]
     assert int8_cases and [c for c in int8_cases if c not in bad] == [], sorted(bad)
@@ -186,7 +191,7 @@ def _quantize_cases(n: int) -> list[tuple]:
     return cases
 
 
-@pytest.mark.parametrize("name", ["generic", "aarch64"])
+@pytest.mark.parametrize("name", ["generic", "avx2", "aarch64"])
 def test_quantize_fixed_is_byte_identical_to_the_reference(built, name):
     """The one-token key append (quantize_core.h): codes, outlier slots and the clamped count, byte for byte."""
     from kvq_ao.kernels import reference
@@ -227,7 +232,7 @@ def _groups_cases(n: int) -> list[tuple]:
     return cases
 
 
-@pytest.mark.parametrize("name", ["generic", "aarch64"])
+@pytest.mark.parametrize("name", ["generic", "avx2", "aarch64"])
 def test_quantize_is_byte_identical_to_the_reference(built, name):
     """The append of every other format (quantize_core.h's quantize_groups, kvq.quantize): codes,
     scales, zeros, outlier slots and the clamped count, byte for byte."""
