@@ -226,9 +226,10 @@ def attention(
     q = realize(q)
     b, hq, tq, d = q.shape
     k_operand = k
-    k = dequantize_operand(k, torch.float32, for_inductor)
+    # int8-query keys are scored from their codes: their float body is never needed
+    k = None if k_operand.int8_query else dequantize_operand(k, torch.float32, for_inductor)
     v = dequantize_operand(v, torch.float32, for_inductor)
-    hkv, t = k.shape[1], k.shape[2]
+    hkv, t = k_operand.codes.shape[1], k_operand.codes.shape[2]
     sk, sv = side_k.float(), side_v.float()
     pre_rope = rope_inv_freq.numel() > 0  # keys stored before RoPE: rotate each at its own position
     if pre_rope:
@@ -265,7 +266,7 @@ def attention(
         return out.reshape(b, hq, 1, -1).to(q.dtype)
     if pre_rope:
         k = rotate(k, torch.arange(t, device=k.device), rope_inv_freq, rope_scale)
-    keys = torch.cat([k, sk], dim=2)
+    keys = None if k is None else torch.cat([k, sk], dim=2)
     values = torch.cat([v, sv], dim=2)
     full_mask = torch.cat([body_mask, side_mask], dim=-1)
     if softcap > 0 or k_operand.int8_query:  # SDPA cannot cap its logits or take scores: spell the softmax out
