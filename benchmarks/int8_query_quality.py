@@ -1,13 +1,15 @@
-"""What scoring keys against an int8 query costs on SmolLM2: each preset against its `-q8` twin.
+"""What scoring keys against an integer query costs on SmolLM2: each preset against its `-q8`
+(`--query int8`) or `-q16` (`--query int16`) twin.
 
-The `-q8` presets (`QuantSpec(scores="int8")`, `kvq_ao.format.INT8_QUERY`) differ from their
-presets only in how key scores are computed: q * scale rounded to int8 once per query head and
-scale row, integer dot products with the codes. Both run on the same held-out windows (the 48
+The twins (`QuantSpec(scores="int8"/"int16")`, `kvq_ao.format.INT8_QUERY`/`INT16_QUERY`) differ
+from their presets only in how key scores are computed: q * scale rounded to 127 (int8) or 32512
+(int16) steps a side once per query head and scale row, integer dot products with the codes. Both run on the same held-out windows (the 48
 windows of 1025 tokens the presets are judged on, fresh cache per window, chunks of 64, through
 the package's own kernels), so the per-window difference of their mean NLL isolates the rounding.
 Issue 48's budget: |dPPL| against the float scores within 0.05 points of percentage of fp PPL.
 
     python benchmarks/int8_query_quality.py --presets kivi-4,kivi-2 --windows 48
+    python benchmarks/int8_query_quality.py --query int16 --presets kivi-4,kivi-2 --windows 48 --threads 1
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from kvq_ao.eval import evaluate_many
 from common import eval_windows, save_json, smollm2, stamp
 
 
-def paired_points(nll_float: list[float], nll_int8: list[float], ppl_fp: float) -> dict:
-    """dPPL of int8 against float scores in points of fp PPL, with a 95% t-interval over windows
+def paired_points(nll_float: list[float], nll_int: list[float], ppl_fp: float) -> dict:
+    """dPPL of the integer query against float scores in points of fp PPL, with a 95% t-interval over windows
     (the PPL ratio from the mean per-window NLL difference)."""
-    diffs = torch.tensor(nll_int8, dtype=torch.float64) - torch.tensor(nll_float, dtype=torch.float64)
+    diffs = torch.tensor(nll_int, dtype=torch.float64) - torch.tensor(nll_float, dtype=torch.float64)
     n = diffs.numel()
     mean, sd = diffs.mean().item(), diffs.std().item() if n > 1 else 0.0
     half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n) if n > 1 else 0.0
@@ -43,13 +45,16 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=48)
     parser.add_argument("--window-len", type=int, default=1025)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/int8_query/int8_query_native.json")
+    parser.add_argument("--query", choices=("int8", "int16"), default="int8")
+    parser.add_argument("--out", default=None, help="default results/int8_query/<query>_query_native.json")
     args = parser.parse_args()
+    args.out = args.out or f"results/int8_query/{args.query}_query_native.json"
+    suffix = {"int8": "-q8", "int16": "-q16"}[args.query]
     model, tok = smollm2(args.threads)
     windows = eval_windows(tok, args.windows, args.window_len)
     rows = []
     for name in args.presets.split(","):
-        configs = [KVQuantConfig.preset(name), KVQuantConfig.preset(f"{name}-q8")]
+        configs = [KVQuantConfig.preset(name), KVQuantConfig.preset(f"{name}{suffix}")]
         start = time.time()
         nll = {c.name: [] for c in configs}
         nll_fp = []
@@ -60,10 +65,10 @@ def main() -> None:
             nll_fp.append(math.log(results[0].ppl_fp))
             print(f"\r{name}: window {i + 1}/{windows.shape[0]}", end="", flush=True)
         ppl_fp = math.exp(sum(nll_fp) / len(nll_fp))
-        row = dict(preset=name, ppl_fp=ppl_fp, ppl_float=math.exp(sum(nll[name]) / len(nll_fp)),
-                   ppl_int8=math.exp(sum(nll[f"{name}-q8"]) / len(nll_fp)),
-                   **paired_points(nll[name], nll[f"{name}-q8"], ppl_fp), seconds=round(time.time() - start, 1))  # fmt: skip
-        print(f"\r{name}: PPL fp {ppl_fp:.3f}, float scores {row['ppl_float']:.3f}, int8 query {row['ppl_int8']:.3f}, "
+        row = dict(preset=name, query=args.query, ppl_fp=ppl_fp, ppl_float=math.exp(sum(nll[name]) / len(nll_fp)),
+                   **{f"ppl_{args.query}": math.exp(sum(nll[f"{name}{suffix}"]) / len(nll_fp))},
+                   **paired_points(nll[name], nll[f"{name}{suffix}"], ppl_fp), seconds=round(time.time() - start, 1))  # fmt: skip
+        print(f"\r{name}: PPL fp {ppl_fp:.3f}, float scores {row['ppl_float']:.3f}, {args.query} query {row[f'ppl_{args.query}']:.3f}, "
               f"dPPL {row['dppl_points']:+.3f} points [{row['ci95'][0]:+.3f}, {row['ci95'][1]:+.3f}]")  # fmt: skip
         rows.append(row)
     save_json(args.out, dict(**stamp(windows=args.windows, window_len=args.window_len, threads=args.threads), rows=rows))

@@ -30,7 +30,7 @@ from kvq_ao.quant.codebook import dequantize_codebook, nearest_level, quantize_c
 from kvq_ao.quant.packing import pack, unpack_float
 from kvq_ao.quant.outliers import apply_outliers, split_outliers, split_vector_outliers
 from kvq_ao.quant.rope import cos_sin, rotate, rotate_with
-from kvq_ao.format import AXIS_CHANNEL, Operand, format_of, is_float, is_one_row, tokens_per_group
+from kvq_ao.format import AXIS_CHANNEL, Operand, format_of, is_float, is_one_row, query_levels, tokens_per_group
 from kvq_ao.quant.uniform import dequantize_uniform, quantize_uniform
 
 
@@ -105,26 +105,34 @@ def dequantize(operand: list, format: list, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_operand(Operand.from_lists(operand, format), dtype)
 
 
-def int8_query_scores(q: torch.Tensor, k: Operand) -> torch.Tensor:
-    """Key scores of queries q [B, Hkv, n, Tq, D] over k's body in the int8-query format
-    (`kvq_ao.format`, query_bits INT8_QUERY) -> [B, Hkv, n, Tq, T] float32, unscaled.
+def int_query_scores(q: torch.Tensor, k: Operand) -> torch.Tensor:
+    """Key scores of queries q [B, Hkv, n, Tq, D] over k's body in an integer-query format
+    (`kvq_ao.format`, query_bits INT8_QUERY or INT16_QUERY) -> [B, Hkv, n, Tq, T] float32, unscaled.
 
-    For each query and scale row r: qs = q * scale_r, rounded to int8 against its largest entry,
-    then (m / 127) * (q8 . code) + q . zero_r, plus q_c * (exact - dense) for each exact outlier.
-    Integers up to 127 * 255 * D stay exact in float32 for D <= 512, so the dot products are the
-    int32 ones the native kernels compute.
+    For each query and scale row r: qs = q * scale_r, rounded to L steps a side against its largest
+    entry, then (m / L) * (qi . code) + q . zero_r, plus q_c * (exact - dense) for each exact outlier.
+    An int16 query is taken as two int8 digits (qi = 256 hi + lo) whose dot products, integers below
+    2^24 for D <= 512, are exact in float32; their sum is the int32 dot product rounded once, as the
+    native kernels' conversion of it.
     """
     codes = unpack_float(k.codes, k.bits)  # [B, Hkv, T, D] integer levels
     b, h, t, d = codes.shape
     per_row = tokens_per_group(k.axis, k.group, t)
     rows = t // per_row
+    levels = query_levels(k.query_bits)
     scale, zero = k.scale.float(), k.zero.float()  # [B, Hkv, rows, D]
     qs = q.unsqueeze(-2) * scale[:, :, None, None]  # [B, Hkv, n, Tq, rows, D]
     top = qs.abs().amax(-1, keepdim=True)
-    q8 = torch.where(top > 0, torch.round(qs * (127.0 / torch.where(top > 0, top, torch.ones_like(top)))), torch.zeros_like(qs))
-    dots = torch.einsum("bhnqrd,bhrgd->bhnqrg", q8, codes.reshape(b, h, rows, per_row, d))
+    qi = torch.where(top > 0, torch.round(qs * (levels / torch.where(top > 0, top, torch.ones_like(top)))), torch.zeros_like(qs))
+    grouped = codes.reshape(b, h, rows, per_row, d)
+    if levels > 127:  # two int8 digits: hi = floor((qi + 128) / 256), lo = qi - 256 hi
+        hi = torch.floor((qi + 128.0) / 256.0)
+        lo = qi - 256.0 * hi
+        dots = torch.einsum("bhnqrd,bhrgd->bhnqrg", hi, grouped) * 256.0 + torch.einsum("bhnqrd,bhrgd->bhnqrg", lo, grouped)
+    else:
+        dots = torch.einsum("bhnqrd,bhrgd->bhnqrg", qi, grouped)
     bias = torch.einsum("bhnqd,bhrd->bhnqr", q, zero)
-    scores = (dots * (top / 127.0) + bias.unsqueeze(-1)).flatten(-2)  # [B, Hkv, n, Tq, T]
+    scores = (dots * (top / levels) + bias.unsqueeze(-1)).flatten(-2)  # [B, Hkv, n, Tq, T]
     if k.out_val is not None and k.out_val.shape[-1] > 0:
         dense = dequantize_operand(k.replace(out_val=None, out_idx=None), torch.float32)
         delta = apply_outliers(dense, k.out_val, k.out_idx) - dense  # exact - dense where a slot holds a channel
@@ -227,7 +235,7 @@ def attention(
     b, hq, tq, d = q.shape
     k_operand = k
     # int8-query keys are scored from their codes: their float body is never needed
-    k = None if k_operand.int8_query else dequantize_operand(k, torch.float32, for_inductor)
+    k = None if k_operand.int_query else dequantize_operand(k, torch.float32, for_inductor)
     v = dequantize_operand(v, torch.float32, for_inductor)
     hkv, t = k_operand.codes.shape[1], k_operand.codes.shape[2]
     sk, sv = side_k.float(), side_v.float()
@@ -246,8 +254,8 @@ def attention(
             # cos/sin table computed once per layer.
             cos, sin = cos_sin(torch.arange(t, device=k.device), rope_inv_freq)
             k = realize(rotate_with(k, realize(cos), realize(sin), rope_scale))
-        if k_operand.int8_query:
-            s_body = _capped(int8_query_scores(qv.unsqueeze(3), k_operand).squeeze(3) * scaling, softcap)
+        if k_operand.int_query:
+            s_body = _capped(int_query_scores(qv.unsqueeze(3), k_operand).squeeze(3) * scaling, softcap)
         else:
             s_body = _capped(_scores(qv, k, matmul) * scaling, softcap)  # [B, Hkv, n, T]
         s_side = _capped(_scores(qv, sk, matmul) * scaling, softcap)  # [B, Hkv, n, S]
@@ -269,9 +277,9 @@ def attention(
     keys = None if k is None else torch.cat([k, sk], dim=2)
     values = torch.cat([v, sv], dim=2)
     full_mask = torch.cat([body_mask, side_mask], dim=-1)
-    if softcap > 0 or k_operand.int8_query:  # SDPA cannot cap its logits or take scores: spell the softmax out
-        if k_operand.int8_query:
-            s_body = int8_query_scores(qf, k_operand)  # [B, Hkv, n, Tq, T]
+    if softcap > 0 or k_operand.int_query:  # SDPA cannot cap its logits or take scores: spell the softmax out
+        if k_operand.int_query:
+            s_body = int_query_scores(qf, k_operand)  # [B, Hkv, n, Tq, T]
             s_side = torch.einsum("bhnqd,bhsd->bhnqs", qf, sk)
             raw = torch.cat([s_body, s_side], dim=-1).reshape(b, hq, tq, -1)
         else:
@@ -423,9 +431,9 @@ def streaming_attention(
             a, z = max(start, lo_min, body_start), min(end, hi_max, end_max)  # the part of the block the tile may read
             kt, vt, pt = kb[:, :, a - start : z - start], vb[:, :, a - start : z - start], positions[a - start : z - start]
             raw = None
-            if k.int8_query:  # the tile's queries scored against the block's codes, then cut to [a, z)
+            if k.int_query:  # the tile's queries scored against the block's codes, then cut to [a, z)
                 qt = qf[:, :, i:j].reshape(b, hkv, n, j - i, d)
-                raw = int8_query_scores(qt, k_slice)[..., a - start : z - start].reshape(b, hq, j - i, z - a)
+                raw = int_query_scores(qt, k_slice)[..., a - start : z - start].reshape(b, hq, j - i, z - a)
             if bounded and a >= lo_max and z <= min(hi_min, end_min):
                 attend(i, j, kt, vt, pt, raw=raw)  # every query of the tile may read all of it: no mask
             else:
@@ -446,4 +454,4 @@ def streaming_attention(
     return (acc, acc_lse) if with_lse else acc.to(q.dtype)
 
 
-__all__ = ["attention", "body_slice", "dequantize", "dequantize_operand", "int8_query_scores", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]
+__all__ = ["attention", "body_slice", "dequantize", "dequantize_operand", "int_query_scores", "quantize", "quantize_fixed", "streaming_attention", "STREAM_BLOCK", "STREAM_TILE", "TARGETS"]

@@ -54,7 +54,7 @@ def _native_writers(x: torch.Tensor) -> bool:
 
 
 def _op_format(spec: QuantSpec) -> tuple[int, int, int, int]:
-    return encode(spec.bits, spec.axis_id, spec.group_size, int8_query=spec.scores == "int8")
+    return encode(spec.bits, spec.axis_id, spec.group_size, query_bits=spec.query_bits)
 
 
 @dataclass
@@ -142,7 +142,7 @@ class _BodyStore:
         format with one scale/zero row for all positions (`kvq_ao.format.ONE_ROW`, whatever the capacity, so a
         growing cache keeps one format and a compiled step its graph)."""
         return encode(self.spec.bits, self.spec.axis_id, self.spec.group_size, calibrated_rows=self.spec.calibrated_ranges,
-                      int8_query=self.spec.scores == "int8")  # fmt: skip
+                      query_bits=self.spec.query_bits)  # fmt: skip
 
     def clear(self) -> None:
         """Forget every stored token (fixed calibrated ranges stay)."""

@@ -27,15 +27,19 @@ their values; kernels and the cache ask the predicates):
 * group: a positive group size, or `ONE_ROW` with the channel axis: one calibrated scale/zero
   row for every position (KVQuant's fixed per-channel key ranges).
 * query_bits: how keys are scored. `FLOAT_QUERY`: in float, q . (scale * level + zero).
-  `INT8_QUERY` (keys with uniform codes in per-channel groups, post-RoPE): integer dot products
-  against the query rounded to int8 once per query head and scale row, as llama.cpp's q8 `vec_dot`:
+  `INT8_QUERY` and `INT16_QUERY` (keys with uniform codes in per-channel groups, post-RoPE):
+  integer dot products against the query rounded to L = `query_levels(query_bits)` steps a side
+  (127 for int8, as llama.cpp's q8 `vec_dot`; 32512 = 127 * 256 for int16, so that a kernel may
+  split each entry into two int8 digits, hi * 256 + lo, and keep byte dot products) once per
+  query head and scale row:
 
       qs = q * scale                      (float32, per channel)
-      m = max_c |qs_c|;  q8 = rint(qs * (127 / m))   (float32 ops, ties to even; all 0 if m == 0)
-      score = (m / 127) * (q8 . code) + q . zero  (+ q_c * (exact - dense) for each exact outlier)
+      m = max_c |qs_c|;  qi = rint(qs * (L / m))     (float32 ops, ties to even; all 0 if m == 0)
+      score = (m / L) * (qi . code) + q . zero  (+ q_c * (exact - dense) for each exact outlier)
 
   Every step before the integer dot product is one float32 operation, so every kernel rounds the
-  query to the same int8 vector; q8 . code is exact in int32. Values always take `FLOAT_QUERY`.
+  query to the same integer vector; qi . code is exact in int32 (then rounded once to float32).
+  Values always take `FLOAT_QUERY`.
 """
 
 from __future__ import annotations
@@ -52,21 +56,35 @@ FLOAT_BITS = 0  # `bits` of a float body: codes hold the values themselves, no s
 ONE_ROW = 0  # `group` of calibrated per-channel ranges: one scale/zero row for every position
 FLOAT_QUERY = 0  # `query_bits`: keys scored in float
 INT8_QUERY = 8  # `query_bits`: keys scored by integer dot products against an int8 query
-QUERY_BITS = (FLOAT_QUERY, INT8_QUERY)
+INT16_QUERY = 16  # `query_bits`: the same against a query of 32512 steps a side (two int8 digits)
+QUERY_BITS = (FLOAT_QUERY, INT8_QUERY, INT16_QUERY)
+_QUERY_LEVELS = {INT8_QUERY: 127, INT16_QUERY: 127 * 256}
 PACKED_BITS = (2, 3, 4, 8)  # the widths of packed codes
 CODEBOOK_BITS = (2, 3, 4)  # the widths a codebook (non-uniform levels) may have
 # The version of everything above as bytes in memory: a program exported with packed caches (.pte,
 # .onnx) records it, and the runners refuse a program of another version (its buffers would be
 # read with another layout). Bump it with any change to what an operand's bytes mean.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAX_OUTLIER_HEAD_DIM = 256  # outlier channel indices are uint8 (every slot holds a channel: none is reserved)
 
 
-def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False, int8_query: bool = False) -> tuple[int, int, int, int]:
+def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False, query_bits: int = FLOAT_QUERY) -> tuple[int, int, int, int]:
     """(bits, axis, group, query_bits) as the ops take them, from a spec's terms: bits None is a
     float body, `calibrated_rows` one calibrated scale/zero row for every position (per-channel
-    only), `int8_query` keys scored against an int8 query."""
-    return (FLOAT_BITS if bits is None else bits, axis, ONE_ROW if calibrated_rows else group, INT8_QUERY if int8_query else FLOAT_QUERY)
+    only), `query_bits` how keys are scored."""
+    return (FLOAT_BITS if bits is None else bits, axis, ONE_ROW if calibrated_rows else group, query_bits)
+
+
+def is_int_query(query_bits: int) -> bool:
+    """Whether keys of this format are scored by integer dot products against a rounded query."""
+    return query_bits in _QUERY_LEVELS
+
+
+def query_levels(query_bits: int) -> int:
+    """L, the integer query's steps a side (`INT8_QUERY`: 127, `INT16_QUERY`: 32512)."""
+    if query_bits not in _QUERY_LEVELS:
+        raise ValueError(f"kvq: query_bits {query_bits} has no integer query (one of {tuple(_QUERY_LEVELS)})")
+    return _QUERY_LEVELS[query_bits]
 
 
 def is_float(bits: int) -> bool:
@@ -94,9 +112,11 @@ def check_format(bits: int, axis: int, group: int, allow_float: bool = True, que
         raise ValueError(f"kvq: group size must be positive (or {ONE_ROW}, one row for every position, with per-channel "
                          f"groups), got {group}")  # fmt: skip
     if query_bits not in QUERY_BITS:
-        raise ValueError(f"kvq: query_bits must be {FLOAT_QUERY} (float scores) or {INT8_QUERY} (int8 query), got {query_bits}")
-    if query_bits == INT8_QUERY and (is_float(bits) or axis != AXIS_CHANNEL):
-        raise ValueError(f"kvq: an int8 query (query_bits {INT8_QUERY}) scores packed codes in per-channel groups, got bits {bits}, axis {axis}")
+        raise ValueError(f"kvq: query_bits must be {FLOAT_QUERY} (float scores), {INT8_QUERY} (int8 query) or {INT16_QUERY} "
+                         f"(int16 query), got {query_bits}")  # fmt: skip
+    if is_int_query(query_bits) and (is_float(bits) or axis != AXIS_CHANNEL):
+        raise ValueError(f"kvq: an integer query (query_bits {query_bits}) scores packed codes in per-channel groups, got bits "
+                         f"{bits}, axis {axis}")  # fmt: skip
 
 
 def word_layout(bits: int) -> tuple[int, int]:
@@ -170,8 +190,9 @@ class Operand:
         return is_float(self.bits)
 
     @property
-    def int8_query(self) -> bool:
-        return self.query_bits == INT8_QUERY
+    def int_query(self) -> bool:
+        """Whether these keys are scored by integer dot products (`is_int_query`)."""
+        return is_int_query(self.query_bits)
 
     @property
     def n_outliers(self) -> int:
@@ -203,6 +224,10 @@ def c_header() -> str:
         f"constexpr int64_t kOneRow = {ONE_ROW};",
         f"constexpr int64_t kFloatQuery = {FLOAT_QUERY};",
         f"constexpr int64_t kInt8Query = {INT8_QUERY};",
+        f"constexpr int64_t kInt16Query = {INT16_QUERY};",
+        "// L, an integer query's steps a side (0: keys scored in float)",
+        "constexpr int32_t query_levels(int64_t query_bits) { switch (query_bits) { "
+        + " ".join(f"case {b}: return {n};" for b, n in _QUERY_LEVELS.items()) + " default: return 0; } }",
         f"constexpr int kMaxOutlierHeadDim = {MAX_OUTLIER_HEAD_DIM};",
         "// The planar packing (kvq_ao.quant.packing): codes per word and bytes per word of each width.",
         "constexpr int codes_per_word(int64_t bits) { switch (bits) { "

@@ -384,8 +384,8 @@ def _quantize_fixed_out_fake(x, bits, zero, scale, codebook, lo, hi, n_outliers,
 
 def _check_operand(o: Operand, name: str) -> None:
     _check_format(o.bits, o.axis, o.group, allow_fp=True, query_bits=o.query_bits)
-    if o.int8_query and (name != "k" or o.codebook is not None):
-        raise ValueError(f"kvq attention: an int8 query scores keys with uniform codes; {name} has "
+    if o.int_query and (name != "k" or o.codebook is not None):
+        raise ValueError(f"kvq attention: an integer query (query_bits {o.query_bits}) scores keys with uniform codes; {name} has "
                          + ("a codebook" if name == "k" else "it (values take query_bits 0)"))  # fmt: skip
     for field in ("codes", "side"):
         if not isinstance(getattr(o, field), torch.Tensor):
@@ -422,8 +422,8 @@ def _check_attention(a: dict, decode: bool) -> dict:
         raise ValueError(f"kvq.decode_attention takes one query token, got {q.shape[2]}: use kvq.chunk_attention")
     if rope is not None and (rope.dim() != 1 or rope.numel() != k.side.shape[-1] // 2):
         raise ValueError(f"kvq attention: rope_inv_freq must be None (post-RoPE keys) or head_dim/2 = {k.side.shape[-1] // 2} long")
-    if rope is not None and k.int8_query:
-        raise ValueError("kvq attention: an int8 query (query_bits 8) needs post-RoPE keys (rope_inv_freq None): "
+    if rope is not None and k.int_query:
+        raise ValueError(f"kvq attention: an integer query (query_bits {k.query_bits}) needs post-RoPE keys (rope_inv_freq None): "
                          "pre-RoPE keys are rotated per position after dequantization")  # fmt: skip
     hq, hkv = q.shape[1], k.codes.shape[1]
     if hq % hkv:

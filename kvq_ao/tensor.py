@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from kvq_ao._torchao import TorchAOBaseTensor
-from kvq_ao.format import AXIS_CHANNEL, FLOAT_QUERY, INT8_QUERY, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float
+from kvq_ao.format import AXIS_CHANNEL, FLOAT_QUERY, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float, is_int_query
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.ops import attention_arguments as op_arguments
 from kvq_ao.quant import rotation
@@ -81,8 +81,8 @@ class QuantizedKV(TorchAOBaseTensor):
             fmt += f" +{self.out_val.shape[-1]} outliers/vector"
         if self.pre_rope:
             fmt += " pre-RoPE"
-        if self.query_bits == INT8_QUERY:
-            fmt += " int8-query scores"
+        if is_int_query(self.query_bits):
+            fmt += f" int{self.query_bits}-query scores"
         if self.rotated:
             fmt += " rotated"
         return f"QuantizedKV(shape={tuple(self.shape)}, {fmt}, side={self.side.shape[2]})"

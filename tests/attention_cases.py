@@ -74,7 +74,7 @@ def _fixed_ranges(x, bits, cb, outliers):
 def operand(x, side, bits, axis, group, codebook=False, outliers=0, query_bits=0, dtype=torch.float32) -> Operand:
     """K or V of x [B, H, T, D] (float32) in a format with side entries `side`, as an attention
     operand (bits 0: a float body; group FIXED with the channel axis: calibrated ranges;
-    query_bits 8: keys scored against an int8 query).
+    query_bits 8 / 16: keys scored against an int8 / int16 query).
     Outlier thresholds of +-1.5 make a few entries per vector outliers; model-dtype fields (a float
     body, outlier values) are in `dtype`."""
     fixed = group == FIXED and axis == AXIS_CHANNEL and bits
@@ -130,10 +130,14 @@ def _rotate64(x, positions, inv_freq, scale):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def int8_scores64(q, k: Operand):
-    """The int8-query key scores (`kvq_ao.format`) of q [B, Hq, Tq, D] over k's body [B, Hkv, T, D],
+QUERY_STEPS = {8: 127, 16: 127 * 256}  # the integer query's steps a side, by query_bits (kvq_ao/format.py's docstring)
+
+
+def int_scores64(q, k: Operand):
+    """The integer-query key scores (`kvq_ao.format`) of q [B, Hq, Tq, D] over k's body [B, Hkv, T, D],
     written out independently of the kernels: the query's rounding in float32 as the format fixes
     it, everything after it in float64 -> [B, Hq, Tq, T]."""
+    steps = QUERY_STEPS[k.query_bits]
     levels = dequantize_operand(k.replace(scale=torch.ones_like(k.scale), zero=torch.zeros_like(k.zero), out_val=None, out_idx=None),
                                 torch.float64)  # the integer codes  # fmt: skip
     dense = dequantize_operand(k.replace(out_val=None, out_idx=None), torch.float64)
@@ -148,11 +152,11 @@ def int8_scores64(q, k: Operand):
         zc = k.zero[:, :, r].double().repeat_interleave(n, 1)[:, :, None]
         qs = q.float() * sc
         top = qs.abs().amax(-1, keepdim=True)
-        inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))  # float32, as the format says
-        q8 = torch.round(qs * inv).double()
+        inv = torch.where(top > 0, torch.tensor(float(steps)) / top, torch.zeros_like(top))  # float32, as the format says
+        qi = torch.round(qs * inv).double()
         lv = levels[:, :, tok].repeat_interleave(n, 1)
         corr = (exact - dense)[:, :, tok].repeat_interleave(n, 1)
-        out[..., tok] = (top.double() / 127) * (q8 @ lv.transpose(-1, -2)) + (q.double() * zc).sum(-1, keepdim=True) \
+        out[..., tok] = (top.double() / steps) * (qi @ lv.transpose(-1, -2)) + (q.double() * zc).sum(-1, keepdim=True) \
             + q.double() @ corr.transpose(-1, -2)
     return out
 
@@ -185,10 +189,10 @@ def reference_attention(named, position_offset: int = 0, with_lse: bool = False)
         n = q.shape[1] // k.shape[1]
         ki, vi = ki.repeat_interleave(n, 1), vi.repeat_interleave(n, 1)
         scores = q[:, :, i : i + 1].double() @ ki.transpose(-1, -2)
-        if a["k"].int8_query:  # body positions the query reads from the body: scored from the codes
+        if a["k"].int_query:  # body positions the query reads from the body: scored from the codes
             in_body = torch.zeros(t, dtype=torch.bool)
             in_body[body_start:body_end] = True
-            scores = torch.where(in_body, int8_scores64(q[:, :, i : i + 1], a["k"]), scores)
+            scores = torch.where(in_body, int_scores64(q[:, :, i : i + 1], a["k"]), scores)
         scores = scores * a["scaling"]
         if a["softcap"]:  # Gemma-2's attention logit soft-capping
             scores = a["softcap"] * torch.tanh(scores / a["softcap"])
@@ -273,8 +277,8 @@ def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(
     """A layer's cache of `length` tokens (capacity rounded up to 16s) with `tq` queries at its end:
     sink position 0 and the last `residual`-ish positions in the side store, the rest in the body.
     per_query: each query has its own body end (as the cache gives a prefill chunk), and the side
-    store holds everything from the first query's body end on. k_query_bits 8: keys scored
-    against an int8 query."""
+    store holds everything from the first query's body end on. k_query_bits 8 / 16: keys scored
+    against an int8 / int16 query."""
     g = torch.Generator().manual_seed(seed)
     length = length or max(tq, 1) + 40
     t = -(-length // 16) * 16 + 16
@@ -358,6 +362,13 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
     "int8-query-k3-g8-bf16": dict(k_fmt=(3, AXIS_CHANNEL, 8, False, 1, 8), dtype=torch.bfloat16, window=40),
     "int8-query-k8-calibrated-rows-softcap": dict(k_fmt=(8, AXIS_CHANNEL, FIXED, False, 1, 8), blocks=9, softcap=2.5),
     "int8-query-k4-gqa8-d128": dict(k_fmt=(4, AXIS_CHANNEL, 16, False, 0, 8), ratio=8, hkv=1, d=128, blocks=6),
+    # ... and against an int16 query (query_bits 16: two int8 digits on AVX-512 VNNI / AVX2), the same shapes
+    "int16-query-k4": dict(k_fmt=(4, AXIS_CHANNEL, 16, False, 0, 16), blocks=7),
+    "int16-query-k2-g32-outliers": dict(k_fmt=(2, AXIS_CHANNEL, 32, False, 2, 16), v_fmt=(2, AXIS_TOKEN, 32, False, 0), blocks=8,
+                                        head_mask=True),
+    "int16-query-k3-g8-bf16": dict(k_fmt=(3, AXIS_CHANNEL, 8, False, 1, 16), dtype=torch.bfloat16, window=40),
+    "int16-query-k8-calibrated-rows-softcap": dict(k_fmt=(8, AXIS_CHANNEL, FIXED, False, 1, 16), blocks=9, softcap=2.5),
+    "int16-query-k2-gqa8-d128": dict(k_fmt=(2, AXIS_CHANNEL, 16, False, 0, 16), ratio=8, hkv=1, d=128, blocks=6),
 }
 
 
@@ -376,6 +387,7 @@ CHUNK_CASES = {  # id -> streaming_case arguments (tq, k format, v format, keywo
     "many-blocks": (40, STREAM_FORMATS[2], STREAM_FORMATS[3], dict(length=300, pre_rope=True, per_query=True)),
     "int8-query-k4-outliers": (9, STREAM_FORMATS[6], STREAM_FORMATS[3], dict(k_query_bits=8, per_query=True, length=150)),
     "int8-query-calibrated-rows": (5, STREAM_FORMATS[8], STREAM_FORMATS[4], dict(k_query_bits=8, window=30)),
+    "int16-query-k4-outliers": (9, STREAM_FORMATS[6], STREAM_FORMATS[3], dict(k_query_bits=16, per_query=True, length=150)),
 }
 
 

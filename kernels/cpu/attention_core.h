@@ -541,7 +541,10 @@ struct Scratch {
   int64_t meta_row = -1;
   alignas(64) float qs[kMaxGroupHeads * kMaxHeadDim];
   float bias[kMaxGroupHeads];  // q * scale and q . zero of meta_row
-  alignas(64) int8_t q8[kMaxGroupHeads * kMaxHeadDim];  // int8-query keys: q * scale rounded, and its step
+  // integer-query keys: q * scale rounded (an int16 query as two int8 digits, hi in q8 and lo in
+  // q8_lo: q = 256 hi + lo), and its step
+  alignas(64) int8_t q8[kMaxGroupHeads * kMaxHeadDim];
+  alignas(64) int8_t q8_lo[kMaxGroupHeads * kMaxHeadDim];
   float alpha[kMaxGroupHeads];
 };
 
@@ -580,7 +583,8 @@ struct Operand {
   int n_out = 0;
   float levels[16] = {};                          // codebook levels (or the integer grid)
   bool codebook = false;
-  bool int8_query = false;                        // keys scored against an int8 query (kvq_format::kInt8Query)
+  bool int_query = false;                         // keys scored against an integer query (kvq_format::kInt8Query, kInt16Query)
+  int32_t query_levels = 0;                       // its steps a side (127: int8; 32512: int16, two int8 digits)
 
   // The fast paths (defined below): keys with per-channel groups scored from their levels, values
   // with per-token groups accumulated from their levels.
@@ -765,10 +769,14 @@ struct Operand {
   template <int BITS>
   bool wide_values() const { return wide_scores<BITS>() && group % 16 == 0; }
 
-  // Int8-query keys (kvq_ao/format.py): tmp.q8 and tmp.alpha of each head from tmp.qs = q * scale,
-  // each step one float32 operation as the format fixes it, so every kernel gets the same int8
-  // vector. A head whose qs holds NaN or Inf gets alpha NaN: its scores are NaN, as the reference's.
+  // Integer-query keys (kvq_ao/format.py): tmp.q8 (and tmp.q8_lo) and tmp.alpha of each head from
+  // tmp.qs = q * scale, each step one float32 operation as the format fixes it, so every kernel gets
+  // the same integer vector; an int16 query (query_levels 32512) is kept as two int8 digits, hi in
+  // q8 and lo in q8_lo (q = 256 hi + lo, lo in [-128, 127]), so the dot products stay byte ones.
+  // A head whose qs holds NaN or Inf gets alpha NaN: its scores are NaN, as the reference's.
   void quantize_query(int n_heads, Scratch& tmp) const {
+    const float levels = static_cast<float>(query_levels);
+    const bool two = query_levels > 127;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (dim % 16 == 0) {  // 16 lanes, narrowed to bytes in registers (vpmovsdb)
       for (int h = 0; h < n_heads; ++h) {
@@ -782,16 +790,23 @@ struct Operand {
         }
         const float m = _mm512_reduce_max_ps(top);
         int8_t* q8 = tmp.q8 + h * dim;
+        int8_t* lo = tmp.q8_lo + h * dim;
         if (bad || m == 0.f) {
-          for (int d = 0; d < dim; ++d) q8[d] = 0;
+          for (int d = 0; d < dim; ++d) q8[d] = 0, lo[d] = 0;
           tmp.alpha[h] = bad ? std::numeric_limits<float>::quiet_NaN() : 0.f;
           continue;
         }
-        const __m512 inv = _mm512_set1_ps(127.f / m);
-        for (int d = 0; d < dim; d += 16)  // the product, then cvtps2dq's rounding (MXCSR's default: ties to even)
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + d),
-                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qs + d), inv))));
-        tmp.alpha[h] = m / 127.f;
+        const __m512 inv = _mm512_set1_ps(levels / m);
+        for (int d = 0; d < dim; d += 16) {  // the product, then cvtps2dq's rounding (MXCSR's default: ties to even)
+          __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qs + d), inv));
+          if (two) {  // hi = (qi + 128) >> 8 (arithmetic), lo = qi - 256 hi
+            const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(qi, _mm512_set1_epi32(128)), 8);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + d), _mm512_cvtsepi32_epi8(_mm512_sub_epi32(qi, _mm512_slli_epi32(hi, 8))));
+            qi = hi;
+          }
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + d), _mm512_cvtsepi32_epi8(qi));
+        }
+        tmp.alpha[h] = m / levels;
       }
       return;
     }
@@ -799,6 +814,7 @@ struct Operand {
     for (int h = 0; h < n_heads; ++h) {
       const float* qs = tmp.qs + h * dim;
       int8_t* q8 = tmp.q8 + h * dim;
+      int8_t* lo = tmp.q8_lo + h * dim;
       float m = 0.f;
       bool not_finite = false;
       int d0 = 0;
@@ -819,37 +835,46 @@ struct Operand {
         not_finite = not_finite || !(qs[d] - qs[d] == 0.f);
       }
       if (not_finite || m == 0.f) {
-        for (int d = 0; d < dim; ++d) q8[d] = 0;
+        for (int d = 0; d < dim; ++d) q8[d] = 0, lo[d] = 0;
         tmp.alpha[h] = not_finite ? std::numeric_limits<float>::quiet_NaN() : 0.f;
         continue;
       }
-      round_to_int8(qs, 127.f / m, dim, q8);
-      tmp.alpha[h] = m / 127.f;
+      round_to_digits(qs, levels / m, dim, q8, two ? lo : nullptr);
+      tmp.alpha[h] = m / levels;
     }
   }
 
-  // q8[d] = qs[d] * inv rounded to the nearest integer, ties to even (as torch.round), d < dim: the
-  // product then the rounding, never fused. Vector conversions where the CPU has them (x86's
-  // cvtps2dq rounds by MXCSR, whose default is ties to even; Arm's fcvtns); a scalar loop (std::nearbyint,
-  // a library call per entry) had made the whole int8 path slower than float scores.
-  static void round_to_int8(const float* qs, float inv, int dim, int8_t* q8) {
+  // q[d] = qs[d] * inv rounded to the nearest integer, ties to even (as torch.round), d < dim: the
+  // product then the rounding, never fused; stored in q8, or with `lo` as two int8 digits (q8 = hi,
+  // q = 256 hi + lo). Vector conversions where the CPU has them (x86's cvtps2dq rounds by MXCSR,
+  // whose default is ties to even; Arm's fcvtns); a scalar loop (std::nearbyint, a library call per
+  // entry) had made the whole int8 path slower than float scores.
+  static void round_to_digits(const float* qs, float inv, int dim, int8_t* q8, int8_t* lo) {
+    auto put = [&](int d, int32_t qi) {
+      if (lo) {
+        const int32_t hi = (qi + 128) >> 8;  // arithmetic shift: floor((qi + 128) / 256)
+        q8[d] = static_cast<int8_t>(hi), lo[d] = static_cast<int8_t>(qi - hi * 256);
+      } else {
+        q8[d] = static_cast<int8_t>(qi);
+      }
+    };
     int d = 0;
 #if defined(__AVX__)
     const __m256 s = _mm256_set1_ps(inv);
     for (; d + 8 <= dim; d += 8) {
       alignas(32) int32_t lanes[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + d), s)));
-      for (int l = 0; l < 8; ++l) q8[d + l] = static_cast<int8_t>(lanes[l]);
+      for (int l = 0; l < 8; ++l) put(d + l, lanes[l]);
     }
 #elif defined(__ARM_NEON)
     const float32x4_t s = vdupq_n_f32(inv);
     for (; d + 4 <= dim; d += 4) {
       int32_t lanes[4];
       vst1q_s32(lanes, vcvtnq_s32_f32(vmulq_f32(vld1q_f32(qs + d), s)));
-      for (int l = 0; l < 4; ++l) q8[d + l] = static_cast<int8_t>(lanes[l]);
+      for (int l = 0; l < 4; ++l) put(d + l, lanes[l]);
     }
 #endif
-    for (; d < dim; ++d) q8[d] = static_cast<int8_t>(static_cast<int32_t>(__builtin_roundevenf(qs[d] * inv)));
+    for (; d < dim; ++d) put(d, static_cast<int32_t>(__builtin_roundevenf(qs[d] * inv)));
   }
 
   // The codes of a packed row in channel order (planar packing: plane i of word j is channel i * P + j).
@@ -868,28 +893,29 @@ struct Operand {
     }
   }
 
-  // scores[h * kTile + j] = alpha[h] * (q8[h] . codes of token `first + j`), j < count, h < n_heads:
-  // the int32 dot products of the int8 query with the codes (exact), scaled once. AVX-512 VNNI takes
-  // up to 16 rows of 2- and 4-bit codes at head_dim 64 at a time, AVX2 8; every other shape and CPU the
-  // portable loop below (which compilers turn into their dot-product instructions where they have them).
-  template <int BITS>
-  void int8_scores(const Scratch& tmp, int n_heads, int64_t first, int count, float* scores) const {
+  // scores[h * kTile + j] = alpha[h] * (q[h] . codes of token `first + j`), j < count, h < n_heads:
+  // the int32 dot products of the integer query with the codes (exact), scaled once; TWO: an int16
+  // query's two digits, (hi . codes) * 256 + lo . codes. AVX-512 VNNI takes up to 16 rows of 2- and
+  // 4-bit codes at head_dim 64 at a time, AVX2 8; every other shape and CPU the portable loop below
+  // (which compilers turn into their dot-product instructions where they have them).
+  template <int BITS, bool TWO>
+  void int_scores(const Scratch& tmp, int n_heads, int64_t first, int count, float* scores) const {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     int j = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if constexpr (BITS == 4 || BITS == 2)
       if (dim == 64)
-        for (; j < count; j += 16) vnni_scores64<BITS>(tmp, n_heads, src + j * row_bytes, std::min(16, count - j), scores + j);
+        for (; j < count; j += 16) vnni_scores64<BITS, TWO>(tmp, n_heads, src + j * row_bytes, std::min(16, count - j), scores + j);
 #elif defined(__AVX2__)
     if constexpr (BITS == 4 || BITS == 2)
       if (dim == 64) {
-        for (; j + 8 <= count; j += 8) avx2_scores64<BITS>(tmp, n_heads, src + j * row_bytes, scores + j, kTile);
+        for (; j + 8 <= count; j += 8) avx2_scores64<BITS, TWO>(tmp, n_heads, src + j * row_bytes, scores + j, kTile);
         if (j < count) {  // the last rows, zero-padded to a block of 8
           alignas(32) uint8_t rows[8 * 32] = {};
           alignas(32) float part[kMaxGroupHeads * 8];
           const int n = count - j;
           std::memcpy(rows, src + j * row_bytes, n * row_bytes);
-          avx2_scores64<BITS>(tmp, n_heads, rows, part, 8);
+          avx2_scores64<BITS, TWO>(tmp, n_heads, rows, part, 8);
           for (int h = 0; h < n_heads; ++h)
             for (int r = 0; r < n; ++r) scores[h * kTile + j + r] = part[h * 8 + r];
           j = count;
@@ -907,6 +933,12 @@ struct Operand {
         const int8_t* q8 = tmp.q8 + h * dim;
         int32_t acc = 0;
         for (int d = 0; d < dim; ++d) acc += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(q8[d]);
+        if constexpr (TWO) {
+          const int8_t* lo = tmp.q8_lo + h * dim;
+          int32_t acc_lo = 0;
+          for (int d = 0; d < dim; ++d) acc_lo += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(lo[d]);
+          acc = acc * 256 + acc_lo;
+        }
         scores[h * kTile + j] = tmp.alpha[h] * static_cast<float>(acc);
       }
     }
@@ -917,7 +949,9 @@ struct Operand {
   // unsigned codes by int8 query entries and adds pairs into int16 (at most 2 x 15 x 127 a pair, 4
   // such sums a lane: no saturation), vpmaddwd widens to int32. 4 bits: one row a register, low
   // nibbles channels 0-31, high 32-63; 2 bits: two rows a register, plane i channels 16i to 16i + 15.
-  template <int BITS>
+  // TWO: an int16 query's digits, each through the same products (a lo digit in [-128, 127] keeps
+  // the pair sums below 2^15), combined in int32 as hi * 256 + lo before the sums across lanes.
+  template <int BITS, bool TWO>
   void avx2_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, float* out, int stride) const {
     constexpr int kRowsPerLoad = BITS == 4 ? 1 : 2, kLoads = 8 / kRowsPerLoad, kPlanes = 8 / BITS;
     const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
@@ -927,18 +961,25 @@ struct Operand {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + l * 32));
       for (int i = 0; i < kPlanes; ++i) plane[l][i] = _mm256_and_si256(_mm256_srli_epi16(x, i * BITS), mask);
     }
-    for (int h = 0; h < n_heads; ++h) {
-      const int8_t* q8 = tmp.q8 + h * dim;
-      __m256i q[kPlanes];
+    auto query = [&](const int8_t* q8, __m256i (&q)[kPlanes]) {
       for (int i = 0; i < kPlanes; ++i) {
         if constexpr (BITS == 4) q[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i));
         else q[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + 16 * i)));
       }
+    };
+    auto dots = [&](int l, const __m256i (&q)[kPlanes]) {
+      __m256i p = _mm256_maddubs_epi16(plane[l][0], q[0]);
+      for (int i = 1; i < kPlanes; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(plane[l][i], q[i]));
+      return _mm256_madd_epi16(p, ones);
+    };
+    for (int h = 0; h < n_heads; ++h) {
+      __m256i q[kPlanes], q_lo[kPlanes];
+      query(tmp.q8 + h * dim, q);
+      if constexpr (TWO) query(tmp.q8_lo + h * dim, q_lo);
       __m256i acc[kLoads];
       for (int l = 0; l < kLoads; ++l) {
-        __m256i p = _mm256_maddubs_epi16(plane[l][0], q[0]);
-        for (int i = 1; i < kPlanes; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(plane[l][i], q[i]));
-        acc[l] = _mm256_madd_epi16(p, ones);
+        acc[l] = dots(l, q);
+        if constexpr (TWO) acc[l] = _mm256_add_epi32(_mm256_slli_epi32(acc[l], 8), dots(l, q_lo));
       }
       __m256i sums;
       if constexpr (BITS == 4) {  // 8 registers of one row x 8 lanes: the float hsum8x8's transposing sums
@@ -980,7 +1021,9 @@ struct Operand {
   // 0-31 and high nibbles 32-63; 2 bits: four rows, plane i channels 16i to 16i + 15. Permute-and-add
   // levels then reduce the rows' lanes to one register of 16 scores.
   // n < 16 rows: the bytes past them are not read (masked loads) and their scores not written.
-  template <int BITS>
+  // TWO: an int16 query's digits, each through the same vpdpbusd, combined in int32 as hi * 256 + lo
+  // before the reduction.
+  template <int BITS, bool TWO>
   void vnni_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, int n, float* scores) const {
     constexpr int kRowsPerLoad = BITS == 4 ? 2 : 4, kLoads = 16 / kRowsPerLoad, kPlanes = 8 / BITS;
     static const PairIndices w8(8), w4(4), w2(2);
@@ -994,17 +1037,25 @@ struct Operand {
       const __m512i x = _mm512_maskz_loadu_epi8(in, rows + l * 64);
       for (int i = 0; i < kPlanes; ++i) plane[l][i] = _mm512_and_si512(_mm512_srli_epi16(x, i * BITS), mask);
     }
-    for (int h = 0; h < n_heads; ++h) {
-      const int8_t* q8 = tmp.q8 + h * dim;
-      __m512i q[kPlanes];  // the query channels each plane meets, repeated for every row of a load
+    auto query = [&](const int8_t* q8, __m512i (&q)[kPlanes]) {  // the query channels each plane meets, repeated for every row of a load
       for (int i = 0; i < kPlanes; ++i) {
         if constexpr (BITS == 4) q[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i)));
         else q[i] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + 16 * i)));
       }
+    };
+    for (int h = 0; h < n_heads; ++h) {
+      __m512i q[kPlanes], q_lo[kPlanes];
+      query(tmp.q8 + h * dim, q);
+      if constexpr (TWO) query(tmp.q8_lo + h * dim, q_lo);
       __m512i acc[kLoads];
       for (int l = 0; l < kLoads; ++l) {
         acc[l] = _mm512_setzero_si512();
         for (int i = 0; i < kPlanes; ++i) acc[l] = _mm512_dpbusd_epi32(acc[l], plane[l][i], q[i]);
+        if constexpr (TWO) {
+          __m512i lo = _mm512_setzero_si512();
+          for (int i = 0; i < kPlanes; ++i) lo = _mm512_dpbusd_epi32(lo, plane[l][i], q_lo[i]);
+          acc[l] = _mm512_add_epi32(_mm512_slli_epi32(acc[l], 8), lo);
+        }
       }
       __m512i sums;
       if constexpr (BITS == 4) {  // 8 registers of 2 rows x 8 lanes
@@ -1283,10 +1334,11 @@ inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim
   // calibrated key ranges: one per-channel group spanning the whole body
   if (is_one_row(axis, group)) group = T > 0 ? T : 1;
   o.group = static_cast<int>(group);
-  check(in.query_bits == kFloatQuery || in.query_bits == kInt8Query, name, " query_bits must be ", kFloatQuery, " (float scores) or ",
-        kInt8Query, " (int8 query), got ", in.query_bits);
-  o.int8_query = in.query_bits == kInt8Query;
-  check(!o.int8_query || (!o.is_float && o.per_channel && !in.codebook.present), "an int8 query (query_bits ", kInt8Query,
+  check(in.query_bits == kFloatQuery || query_levels(in.query_bits) > 0, name, " query_bits must be ", kFloatQuery,
+        " (float scores), ", kInt8Query, " (int8 query) or ", kInt16Query, " (int16 query), got ", in.query_bits);
+  o.int_query = in.query_bits != kFloatQuery;
+  o.query_levels = query_levels(in.query_bits);
+  check(!o.int_query || (!o.is_float && o.per_channel && !in.codebook.present), "an integer query (query_bits ", in.query_bits,
         ") scores packed codes with uniform levels in per-channel groups; ", name, " is not");
   check(dim > 0 && dim <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", dim);
   check(codes.dim == 4 && codes.size(0) == B && codes.size(1) == H && codes.size(2) == T,
@@ -1670,7 +1722,7 @@ KVQ_PROFILED inline float softmax_step(const float* sh, int count, float best, P
 void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
                                 float* scores, Scratch& tmp) const {
   const bool fused = fusable();
-  if (!fused && !int8_query) levels_tile(bh, T, t0, count, lv);
+  if (!fused && !int_query) levels_tile(bh, T, t0, count, lv);
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(codes_p) + (bh * T + t0) * row_bytes;
   for (int i = 0; i < count;) {
     const int64_t row = (t0 + i) / group;
@@ -1680,10 +1732,14 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
         for (int d = 0; d < dim; ++d) tmp.qs[h * dim + d] = q[h * dim + d] * tmp.scale[d];
         tmp.bias[h] = dot(q + h * dim, tmp.zero, dim);
       }
-      if (int8_query) quantize_query(n_heads, tmp);
+      if (int_query) quantize_query(n_heads, tmp);
     }
-    if (int8_query) {
-      with_format([&](auto bits_c, auto) { int8_scores<decltype(bits_c)::value>(tmp, n_heads, bh * T + t0 + i, end - i, scores + i); });
+    if (int_query) {
+      with_format([&](auto bits_c, auto) {
+        constexpr int B = decltype(bits_c)::value;
+        if (query_levels > 127) int_scores<B, true>(tmp, n_heads, bh * T + t0 + i, end - i, scores + i);
+        else int_scores<B, false>(tmp, n_heads, bh * T + t0 + i, end - i, scores + i);
+      });
     } else if (fused) {
       with_format([&](auto bits_c, auto cb_c) {
         constexpr int B = decltype(bits_c)::value, kMax = 4;  // 2 x 4 accumulators
@@ -1706,7 +1762,7 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
       for (int j = i; j < end; ++j) scores[h * kTile + j] += tmp.bias[h];
     for_each_outlier(bh * T + t0 + i, end - i, [&](int jj, int d, float exact) {
       const int j = i + jj;
-      const float level = fused || int8_query ? level_at(rows + j * row_bytes, d) : lv[j * kRow + d];
+      const float level = fused || int_query ? level_at(rows + j * row_bytes, d) : lv[j * kRow + d];
       const float delta = exact - (tmp.scale[d] * level + tmp.zero[d]);
       for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
     });
@@ -1901,8 +1957,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   const float scale_f = scaling, softcap_f = softcap, rope_f = static_cast<float>(a.rope_scale);
   const int half = static_cast<int>(D / 2);
   const int nh = static_cast<int>(n_heads), dk = static_cast<int>(D), dv = static_cast<int>(Dv);
-  check(!V.int8_query, "values take query_bits ", kvq_format::kFloatQuery, " (an int8 query scores keys)");
-  check(!(K.int8_query && pre_rope), "an int8 query needs post-RoPE keys (rope_inv_freq None)");
+  check(!V.int_query, "values take query_bits ", kvq_format::kFloatQuery, " (an integer query scores keys)");
+  check(!(K.int_query && pre_rope), "an integer query needs post-RoPE keys (rope_inv_freq None)");
   const bool direct_k = !K.is_float && K.per_channel && !pre_rope;
   const bool rope_k = !K.is_float && K.per_channel && pre_rope && K.rope_fusable();
   const bool direct_v = !V.is_float && !V.per_channel && V.group % 8 == 0;

@@ -138,7 +138,7 @@ def test_decode_attention(backend, case_id):
     named = decode_case(case_id)
     if not _runs_on(backend, named):
         named = map_tensors(named, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
-    if backend == "triton-interpreter" and named["k"].int8_query:  # not built in Triton: refused by name
+    if backend == "triton-interpreter" and named["k"].int_query:  # not built in Triton: refused by name
         with pytest.raises(ValueError, match="float key scores"):
             _runner(backend, "decode")(named)
         return
@@ -146,14 +146,18 @@ def test_decode_attention(backend, case_id):
 
 
 @pytest.mark.parametrize("backend", ["reference", "native-cpu", "executorch"])
-def test_an_int8_query_changes_the_scores(backend):
-    """The int8-query cases above would pass vacuously if a backend scored those keys in float: the
-    int8 rounding moves the output by far more than the tolerance, so the float reference fails them."""
-    for case_id in ("int8-query-k4", "int8-query-k2-g32-outliers"):
+def test_an_integer_query_changes_the_scores(backend):
+    """The integer-query cases above would pass vacuously if a backend scored those keys in float: the
+    query's rounding moves the output by far more than the tolerance, so the float reference fails them.
+    An int16 query's steps are 256 times finer, so its cases get a query 30 times as large (the scores'
+    rounding grows with them, the kernels' float error stays within the tolerance)."""
+    for case_id in ("int8-query-k4", "int8-query-k2-g32-outliers", "int16-query-k4", "int16-query-k2-g32-outliers"):
         named = decode_case(case_id)
+        if named["k"].query_bits == 16:
+            named["q"] = named["q"] * 30.0
         out = check_decode(backend, named)
         as_float = reference_attention(with_operand(named, "k", query_bits=0))
-        assert (out.double() - as_float).abs().max() > 50 * TOLERANCE[torch.float32]
+        assert (out.double() - as_float).abs().max() > 20 * TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
@@ -180,17 +184,17 @@ def test_masks_softcap_and_outlier_dtypes_change_what_decode_reads(backend):
        side=st.sampled_from(["empty", "some", "full"]), left_pad=st.sampled_from([0, 5, 21]),
        window=st.sampled_from([0, 7, 40]), head_mask=st.booleans(), pre_rope=st.booleans(),
        softcap=st.sampled_from([0.0, 0.0, 2.5]), dtype=st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]),
-       int8_query=st.booleans())  # fmt: skip
+       query_bits=st.sampled_from([0, 8, 16]))  # fmt: skip
 def test_random_decode_cases(backend, seed, k_fmt, v_fmt, ratio, hkv, d, blocks, side, left_pad, window, head_mask,
-                             pre_rope, softcap, dtype, int8_query):  # fmt: skip
+                             pre_rope, softcap, dtype, query_bits):  # fmt: skip
     """Random formats and shapes (hypothesis): body ends mid-tile, any side store, masks, dtypes;
-    keys in uniform per-channel groups post-RoPE also scored against an int8 query (not in Triton)."""
+    keys in uniform per-channel groups post-RoPE also scored against an int8 or int16 query (not in Triton)."""
     body_end = max(1, 16 * blocks - 7 - seed % 9)
     named = native_case(seed, k_fmt=k_fmt, v_fmt=v_fmt, hkv=hkv, ratio=ratio, d=d, blocks=blocks, body_end=body_end, side=side,
                         left_pad=left_pad, window=window, head_mask=head_mask, pre_rope=pre_rope, softcap=softcap, dtype=dtype)  # fmt: skip
     k = named["k"]
-    if int8_query and backend != "triton-interpreter" and k.bits and k.axis == AXIS_CHANNEL and k.codebook is None and not pre_rope:
-        named = with_operand(named, "k", query_bits=8)
+    if query_bits and backend != "triton-interpreter" and k.bits and k.axis == AXIS_CHANNEL and k.codebook is None and not pre_rope:
+        named = with_operand(named, "k", query_bits=query_bits)
     check_decode(backend, named)
 
 
@@ -205,7 +209,7 @@ def test_chunk_attention(backend, case_id, mask):
     want = expected_streaming(named)
     if mask == "dense":
         named = dict(named, mask=masks.dense(named["mask"], named["k"].codes.shape[2]))
-    if backend == "triton-interpreter" and named["k"].int8_query:  # not built in Triton: refused by name
+    if backend == "triton-interpreter" and named["k"].int_query:  # not built in Triton: refused by name
         with pytest.raises(ValueError, match="float key scores"):
             _runner(backend, "chunk")(named)
         return

@@ -113,27 +113,29 @@ def test_a_planted_error_in_the_vector_code_fails_the_cases(built, name, tmp_pat
     (tmp_path / "attention_core.h").write_text(source.replace(right, "(v[4] + v[5])"))
     binary = portable.build_runner(target, tmp_path, header_dir=tmp_path)
     bad = _mismatches(target, binary, tmp_path)
-    float_scores = [c for c in CASES if not c.startswith("int8-query")]  # int8-query keys are scored by integer sums
+    float_scores = [c for c in CASES if not c.startswith(("int8-query", "int16-query"))]  # integer-query keys: integer sums
     assert len([c for c in bad if c in float_scores]) >= len(float_scores) // 2, bad
 
 
 @pytest.mark.parametrize("name", ["generic", "avx2", "aarch64"])
-def test_a_planted_error_in_the_int8_dot_product_fails_the_int8_query_cases(built, name, tmp_path):
-    """The portable int8 dot product (what these builds score int8-query keys with; sdot on Arm at
-    -O3) pairing each code with its neighbour's query entry, and in the AVX2 build also its 8-row
-    blocks (2- and 4-bit codes at head_dim 64) summing each pair twice, must fail every int8-query case."""
+def test_a_planted_error_in_the_int8_dot_product_fails_the_integer_query_cases(built, name, tmp_path):
+    """The portable int8 dot products (what these builds score integer-query keys with; sdot on Arm at
+    -O3) pairing each code with its neighbour's query digit, and in the AVX2 build also its 8-row
+    blocks (2- and 4-bit codes at head_dim 64) summing each pair twice, must fail every int8- and
+    int16-query case."""
     target, _, _ = built(name)
     source = (portable.HERE / "attention_core.h").read_text()
-    plants = {"acc += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(q8[d]);": ("q8[d]", "q8[d ^ 1]")}
+    plants = {"acc += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(q8[d]);": ("q8[d]", "q8[d ^ 1]"),
+              "acc_lo += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(lo[d]);": ("lo[d]", "lo[d ^ 1]")}
     if name == "avx2":
-        plants["acc[l] = _mm256_madd_epi16(p, ones);"] = ("ones", "_mm256_set1_epi16(2)")
+        plants["return _mm256_madd_epi16(p, ones);"] = ("ones", "_mm256_set1_epi16(2)")
     for right, (a, b) in plants.items():
         assert source.count(right) == 1
         source = source.replace(right, right.replace(a, b))
     (tmp_path / "attention_core.h").write_text(source)
     bad = _mismatches(target, portable.build_runner(target, tmp_path, header_dir=tmp_path), tmp_path)
-    int8_cases = [c for c in DECODE_CASES if c.startswith("int8-query")]
-    assert int8_cases and [c for c in int8_cases if c not in bad] == [], sorted(bad)
+    int_cases = [c for c in DECODE_CASES if c.startswith(("int8-query", "int16-query"))]
+    assert len(int_cases) == 10 and [c for c in int_cases if c not in bad] == [], sorted(bad)
 
 
 def test_a_planted_error_in_the_neon_code_fails_the_aarch64_cases(built, tmp_path):

@@ -34,4 +34,4 @@ def test_a_model_s_decode_steps_score_its_keys_against_an_int8_query(monkeypatch
 
 def test_operands_default_to_float_scores():
     o = Operand(codes=None, scale=None, zero=None, codebook=None, out_val=None, out_idx=None, side=None, bits=4, axis=1, group=32)
-    assert o.query_bits == 0 and not o.int8_query
+    assert o.query_bits == 0 and not o.int_query
