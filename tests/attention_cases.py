@@ -388,6 +388,7 @@ CHUNK_CASES = {  # id -> streaming_case arguments (tq, k format, v format, keywo
     "int8-query-k4-outliers": (9, STREAM_FORMATS[6], STREAM_FORMATS[3], dict(k_query_bits=8, per_query=True, length=150)),
     "int8-query-calibrated-rows": (5, STREAM_FORMATS[8], STREAM_FORMATS[4], dict(k_query_bits=8, window=30)),
     "int16-query-k4-outliers": (9, STREAM_FORMATS[6], STREAM_FORMATS[3], dict(k_query_bits=16, per_query=True, length=150)),
+    "int16-query-k2-per-query-ends": (17, STREAM_FORMATS[1], STREAM_FORMATS[4], dict(k_query_bits=16, per_query=True, length=120)),
 }
 
 

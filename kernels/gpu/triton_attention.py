@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kvq_ao import format as fmt
-from kvq_ao.kernels.gpu.triton_blocks import _block_values, _levels
+from kvq_ao.kernels.gpu.triton_blocks import _block_values, _int_query_scores, _levels
 
 # The format constants the kernels compare against, from their one definition (kvq_ao.format);
 # tl.constexpr, since a jit function may read only constexpr globals on a GPU.
@@ -150,6 +150,7 @@ def _chunk_attention(
     K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
     V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
     BLOCK_Q: tl.constexpr, M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+    K_QUERY: tl.constexpr = 0,
 ):  # fmt: skip
     """Queries [tile * BLOCK_Q, + BLOCK_Q) of all N query heads of kv head (program 0 = b * HKV + h),
     as M rows (head-major), over the body blocks any row may read and then the side store, with an
@@ -203,13 +204,21 @@ def _chunk_attention(
         allow = allow & (t[None, :] >= lo[:, None]) & (t[None, :] < hi[:, None])
         if BOUNDS == 0:
             allow = allow & (tl.load(mask + mask_row[:, None] + t[None, :], mask=allow, other=0) != 0)
-        k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, D,
-                          K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        if PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
+        if K_QUERY > 0:  # scored from the codes against the query rounded to K_QUERY steps (kvq_ao/format.py)
+            s = _int_query_scores(qf, k_codes, k_scale, k_zero, row, blk * BLOCK_T, ok_t, T, BLOCK_T, D, K_BITS, K_GROUP,
+                                  K_QUERY) * scaling  # fmt: skip
+            if SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            s = tl.where(allow, s, float("-inf"))
+        elif PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
+            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, D,
+                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
             k1, k2 = tl.split(tl.permute(tl.reshape(k, [BLOCK_T, 2, HALF]), (0, 2, 1)))
             k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
             s = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
         else:
+            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, D,
+                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
             s = tl.dot(qf, tl.trans(k), input_precision=PRECISION) * scaling
             if SOFTCAP:
                 s = softcap * _tanh(s / softcap)

@@ -19,17 +19,35 @@ from kvq_ao import format as fmt
 FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
 AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
 ONE_ROW = tl.constexpr(fmt.ONE_ROW)
+# 1.5 * 2**23: (x + M) - M rounds a float32 |x| < 2**22 half to even. A constexpr: compiled Triton
+# refuses plain module globals inside @jit (its interpreter does not).
+ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 def supported(head_dim: int, k, v) -> bool:
     """Whether the block tiles take queries of `head_dim` over operands k and v (anything with
-    `group`, `bits` and a `side` store [..., Dv]: a `kvq_ao.format.Operand` or a QuantizedKV):
-    power-of-two head_dims (>= 32, keys and values) and power-of-two groups, keys scored in float
-    (the int8-query format, `kvq_ao.format.INT8_QUERY`, is not built here: the kvq ops serve it)."""
+    `group`, `bits`, `query_bits`, `out_val` and a `side` store [..., Dv]: a `kvq_ao.format.Operand`
+    or a QuantizedKV): power-of-two head_dims (>= 32, keys and values) and power-of-two groups. Keys
+    scored against an integer query (`kvq_ao.format.is_int_query`) also need groups of >= 16 tokens
+    (a block of keys shares one scale row, and tl.dot takes >= 16) and no exact outliers; the kvq ops
+    serve the rest."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     groups = all(pow2(o.group) or o.group == fmt.ONE_ROW or o.bits == fmt.FLOAT_BITS for o in (k, v))
-    float_scores = k.query_bits == fmt.FLOAT_QUERY
-    return all(pow2(d) and d >= 32 for d in (head_dim, v.side.shape[-1])) and groups and float_scores
+    int_query = fmt.is_int_query(k.query_bits)
+    no_outliers = k.out_val is None or k.out_val.shape[-1] == 0
+    scores = not int_query or ((k.group >= 16 or k.group == fmt.ONE_ROW) and no_outliers)
+    return all(pow2(d) and d >= 32 for d in (head_dim, v.side.shape[-1])) and groups and scores
+
+
+def key_block(block: int, k) -> int:
+    """The body tokens per step for keys k: `block`, or for integer-query keys in per-channel groups
+    at most one group (the query is rounded once per scale row: a block must not straddle two)."""
+    return min(block, k.group) if fmt.is_int_query(k.query_bits) and k.group != fmt.ONE_ROW else block
+
+
+def query_levels(k) -> int:
+    """The kernels' K_QUERY: an integer query's steps a side, 0 for float key scores."""
+    return fmt.query_levels(k.query_bits) if fmt.is_int_query(k.query_bits) else 0
 
 
 @triton.jit
@@ -121,4 +139,56 @@ def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T
     return x
 
 
-__all__ = ["_block_levels", "_block_values", "_levels", "_plane_codes", "supported"]
+@triton.jit
+def _row_max(x):
+    """Each row's largest entry, NaN if it holds one (max drops NaN). Reductions by tl.reduce: the
+    interpreter refuses tl.max / tl.sum called from a helper."""
+    top = tl.reduce(x, 1, tl.standard._elementwise_max)
+    nan = tl.reduce(tl.where(x != x, 1.0, 0.0), 1, tl.standard._sum_combine) > 0
+    return tl.where(nan, float("nan"), top)
+
+
+@triton.jit
+def _round_even(x):
+    """x rounded to the nearest integer, ties to even (|x| < 2^22): adding and taking off 1.5 * 2^23
+    leaves no fraction bits. The bitcast round trip keeps the compiler from fusing x's product into
+    the addition (an FMA would round the product's exact value, not the float32 product the format
+    rounds)."""
+    x = x.to(tl.int32, bitcast=True).to(tl.float32, bitcast=True)
+    return (x + ROUND_MAGIC) - ROUND_MAGIC
+
+
+@triton.jit
+def _int_query_scores(qf, codes, scale, zero, row, t0, ok_t, T, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                      GROUP: tl.constexpr, LEVELS: tl.constexpr):  # fmt: skip
+    """Unscaled key scores [M, BT] of queries qf [M, D] (float32) over the BT keys at body positions
+    t0 + [0, BT) of operand row `row`, all in one scale row (`key_block`), in the integer-query format
+    (kvq_ao/format.py): per query row qs = q * scale, m = max |qs|, qi = rint(qs * (LEVELS / m)),
+    score = (m / LEVELS) (qi . code) + q . zero. The dot products are tensor-core ones of float16
+    integers (codes and int8 digits are exact in float16; products and sums, below 2^24, exact in
+    their float32 accumulators): an int16 query (LEVELS > 127) goes as two digits, qi = 256 hi + lo,
+    and their sum is the int32 dot product rounded once, as the CPU kernels'."""
+    code = tl.trans(_plane_codes(codes, row * T + t0, ok_t, BT, D, BITS).to(tl.float16))  # [D, BT]
+    ch = tl.arange(0, D)
+    if GROUP == ONE_ROW:  # calibrated ranges: one row for every position
+        meta = row * D + ch
+    else:
+        meta = (row * (T // GROUP) + t0 // GROUP) * D + ch
+    s = tl.load(scale + meta).to(tl.float32)
+    z = tl.load(zero + meta).to(tl.float32)
+    qs = qf * s[None, :]
+    m = _row_max(tl.abs(qs))  # [M]
+    levels = tl.full([1], LEVELS, tl.float32)
+    inv = tl.math.div_rn(levels, tl.where(m > 0, m, 1.0))  # IEEE divisions, as the format's float32 ops
+    qi = tl.where(m[:, None] > 0, _round_even(qs * inv[:, None]), 0.0)
+    if LEVELS > 127:
+        hi = tl.floor((qi + 128.0) * (1.0 / 256.0))
+        lo = qi - 256.0 * hi
+        dots = tl.dot(hi.to(tl.float16), code) * 256.0 + tl.dot(lo.to(tl.float16), code)
+    else:
+        dots = tl.dot(qi.to(tl.float16), code)
+    bias = tl.reduce(qf * z[None, :], 1, tl.standard._sum_combine)
+    return dots * tl.math.div_rn(m, levels)[:, None] + bias[:, None]
+
+
+__all__ = ["_block_levels", "_block_values", "_int_query_scores", "_levels", "_plane_codes", "key_block", "query_levels", "supported"]

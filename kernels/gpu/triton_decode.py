@@ -39,7 +39,7 @@ import triton.language as tl
 from kvq_ao import format as fmt
 from kvq_ao.kernels.gpu.triton_attention import (_allowed, _max, _query_halves, _rope, _scores, _side_keys, _softmax_step, _sum,
                                                  _tanh)
-from kvq_ao.kernels.gpu.triton_blocks import _block_levels, _block_values, _levels
+from kvq_ao.kernels.gpu.triton_blocks import _block_levels, _block_values, _int_query_scores, _levels
 
 FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
 AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
@@ -72,7 +72,7 @@ def _decode_split(
     MASK_HEADS: tl.constexpr, PRE_ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
     K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
     V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
-    BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, K_QUERY: tl.constexpr = 0,
 ):  # fmt: skip
     """Split `split` of kv head (program 0 = b * HKV + h): the N query heads sharing it as M >= 16
     matrix rows; writes the first NP rows' running max, sum and weighted sum. The products take
@@ -97,14 +97,19 @@ def _decode_split(
         t0 = blk * BLOCK_T
         t = t0 + tl.arange(0, BLOCK_T)
         ok_t = (t >= body_start) & (t < end)
-        k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
-                          K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
-        if PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
+        if K_QUERY > 0:  # scored from the codes against the query rounded to K_QUERY steps (kvq_ao/format.py)
+            s = _int_query_scores(qf.to(tl.float32), k_codes, k_scale, k_zero, row, t0, ok_t, T, BLOCK_T, D, K_BITS, K_GROUP,
+                                  K_QUERY)  # fmt: skip
+        elif PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
+            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
+                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
             k1, k2 = tl.split(tl.permute(tl.reshape(k, [BLOCK_T, 2, HALF]), (0, 2, 1)))
             k1, k2 = _rope(k1, k2, t, inv_freq, dh, dh < HALF, rope_scale)
             s = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=PRECISION)
             s = s + tl.dot(q2, tl.trans(k2.to(q1.dtype)), input_precision=PRECISION)
         else:
+            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
+                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
             s = tl.dot(qf, tl.trans(k.to(qf.dtype)), input_precision=PRECISION)
         s = s * scaling
         if SOFTCAP:

@@ -156,9 +156,10 @@ def triton_decode_attention(
     layer's packed cache -> [B, Hq, 1, Dv] in q's dtype."""
     named = _check_attention(named_arguments((), dict(locals())), decode=True)
     if not triton_blocks.supported(q.shape[-1], named["k"], named["v"]):
-        raise ValueError(f"kvq.triton_decode_attention needs a power-of-two head_dim (>= 32), power-of-two groups and float key "
-                         f"scores; got head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group}, key query_bits "
-                         f"{named['k'].query_bits} (use kvq.decode_attention)")  # fmt: skip
+        raise ValueError(f"kvq.triton_decode_attention needs a power-of-two head_dim (>= 32) and power-of-two groups (keys "
+                         f"scored against an integer query: groups of >= 16 tokens, no outliers); got head_dim {q.shape[-1]}, "
+                         f"groups {named['k'].group}/{named['v'].group}, key query_bits {named['k'].query_bits}, key outliers "
+                         f"{named['k'].n_outliers} (use kvq.decode_attention)")  # fmt: skip
     b, hq, _, d = q.shape
     ko, vo = named["k"], named["v"]
     hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
@@ -166,7 +167,8 @@ def triton_decode_attention(
     operands, common = _common(dict(named, q=q))
     shape = {k: v for k, v in common["shape"].items() if k not in ("DH", "BDV")}
     np_ = triton.next_power_of_2(shape["N"])
-    block = triton_decode.block_tokens(d, float32=q.dtype == torch.float32, pre_rope=named["rope_inv_freq"] is not None)
+    block = triton_blocks.key_block(triton_decode.block_tokens(d, float32=q.dtype == torch.float32,
+                                                               pre_rope=named["rope_inv_freq"] is not None), ko)  # fmt: skip
     mask_arg = mask.contiguous()  # bool: the kernels load it as int1 (a dtype view of a bool tensor fails CUDA lowering)
     splits = _splits(q, b * hkv, t, block)
     part_m = q.new_empty((b * hkv, splits, np_), dtype=torch.float32)
@@ -179,6 +181,7 @@ def triton_decode_attention(
         rope_scale=rope_scale, softcap=softcap, NP=np_, M=max(16, np_), MASK_HEADS=mask.shape[1], **shape, BLOCK_T=block,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **(_DECODE_OVERRIDE or [DECODE_LAUNCH])[-1],
         DOT_F32=q.dtype == torch.float32,  # float32 models: FMA products (tensor cores take 16-bit inputs)
+        K_QUERY=triton_blocks.query_levels(ko),
     )  # fmt: skip
     merge_shape = {k: v for k, v in shape.items() if not k.startswith(("K_", "V_"))}
     _launcher(triton_decode, "_decode_merge", q)[(b * hkv,)](
@@ -201,9 +204,10 @@ def triton_chunk_attention(
     block (no float cache, no [Tq, T] scores)."""
     named = _check_attention(named_arguments((), dict(locals())), decode=False)
     if not triton_blocks.supported(q.shape[-1], named["k"], named["v"]):
-        raise ValueError(f"kvq.triton_chunk_attention needs a power-of-two head_dim (>= 32), power-of-two groups and float key "
-                         f"scores; got head_dim {q.shape[-1]}, groups {named['k'].group}/{named['v'].group}, key query_bits "
-                         f"{named['k'].query_bits} (use kvq.chunk_attention)")  # fmt: skip
+        raise ValueError(f"kvq.triton_chunk_attention needs a power-of-two head_dim (>= 32) and power-of-two groups (keys "
+                         f"scored against an integer query: groups of >= 16 tokens, no outliers); got head_dim {q.shape[-1]}, "
+                         f"groups {named['k'].group}/{named['v'].group}, key query_bits {named['k'].query_bits}, key outliers "
+                         f"{named['k'].n_outliers} (use kvq.chunk_attention)")  # fmt: skip
     b, hq, tq, d = q.shape
     ko, vo = named["k"], named["v"]
     hkv, t, dv, s = ko.codes.shape[1], ko.codes.shape[2], vo.side.shape[-1], side_pos.shape[0]
@@ -218,7 +222,8 @@ def triton_chunk_attention(
         mask=mask_arg, inv_freq=common["inv_freq"], body_end=body_end.contiguous(), out=out, body_start=body_start, T=t,
         S=s, TQ=tq, HKV=hkv, HQ=hq, scaling=scaling, rope_scale=rope_scale, softcap=softcap, BOUNDS=int(bounds),
         MASK_HEADS=1 if bounds else mask.shape[1], PER_QUERY_END=body_end.dim() == 1, **common["shape"],
-        BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=BLOCK_T // 4 if q.dtype == torch.float32 else BLOCK_T, BLOCK_S=BLOCK_S,
+        BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=triton_blocks.key_block(BLOCK_T // 4 if q.dtype == torch.float32 else BLOCK_T, ko),
+        BLOCK_S=BLOCK_S, K_QUERY=triton_blocks.query_levels(ko),
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", **CHUNK_LAUNCH,  # tf32x3: float32 accuracy on tensor cores
     )  # fmt: skip
     return out

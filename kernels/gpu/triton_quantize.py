@@ -22,10 +22,7 @@ import triton
 import triton.language as tl
 
 from kvq_ao.kernels.gpu.triton_attention import AXIS_TOKEN, _max, _min, _sum
-
-# 1.5 * 2**23: (x + M) - M rounds a float32 0 <= x < 2**22 half to even. A constexpr: compiled Triton
-# refuses plain module globals inside @jit (its interpreter does not, which is how this once shipped).
-ROUND_MAGIC = tl.constexpr(12582912.0)
+from kvq_ao.kernels.gpu.triton_blocks import ROUND_MAGIC
 
 
 @triton.jit

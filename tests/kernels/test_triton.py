@@ -300,9 +300,9 @@ def test_shapes_the_block_tiles_cannot_take_go_to_the_kvq_ops():
     reference), and the Triton ops refuse such shapes by name."""
     from types import SimpleNamespace
 
-    def operands(d, group=16, query_bits=0):
-        return (SimpleNamespace(group=group, bits=4, query_bits=query_bits),
-                SimpleNamespace(group=group, bits=4, query_bits=0, side=torch.empty(1, 1, 1, d)))  # fmt: skip
+    def operands(d, group=16, query_bits=0, outliers=0):
+        return (SimpleNamespace(group=group, bits=4, query_bits=query_bits, out_val=torch.empty(1, 1, 1, outliers)),
+                SimpleNamespace(group=group, bits=4, query_bits=0, out_val=None, side=torch.empty(1, 1, 1, d)))  # fmt: skip
 
     def q(d, tq=1):
         return torch.empty(1, 2, tq, d)
@@ -313,8 +313,11 @@ def test_shapes_the_block_tiles_cannot_take_go_to_the_kvq_ops():
         assert gpu.attention_op(q(96), *operands(96)) is torch.ops.kvq.decode_attention
         assert gpu.attention_op(q(96, 5), *operands(96)) is torch.ops.kvq.chunk_attention
         assert gpu.attention_op(q(64), *operands(64, group=24)) is torch.ops.kvq.decode_attention
-        assert gpu.attention_op(q(64), *operands(64, query_bits=8)) is torch.ops.kvq.decode_attention  # int8 query
-        assert gpu.attention_op(q(64, 5), *operands(64, query_bits=8)) is torch.ops.kvq.chunk_attention
+        for bits in (8, 16):  # integer queries: Triton's with groups of >= 16 tokens and no outliers
+            assert gpu.attention_op(q(64), *operands(64, query_bits=bits)) is torch.ops.kvq.triton_decode_attention
+            assert gpu.attention_op(q(64, 5), *operands(64, query_bits=bits)) is torch.ops.kvq.triton_chunk_attention
+            assert gpu.attention_op(q(64), *operands(64, group=8, query_bits=bits)) is torch.ops.kvq.decode_attention
+            assert gpu.attention_op(q(64, 5), *operands(64, query_bits=bits, outliers=1)) is torch.ops.kvq.chunk_attention
     assert gpu.attention_op(q(64), *operands(64)) is torch.ops.kvq.decode_attention  # CPU: the native kernel
     named = native_case(0, d=96, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), v_fmt=(4, AXIS_TOKEN, 16, False, 0))
     with pytest.raises(ValueError, match="power-of-two head_dim"):

@@ -22,7 +22,8 @@ from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints  # noqa: E402
 
 gpu.load()
 
-PRESETS = ["int8", "kivi-4", "kivi-3", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct", "kvquant-3"]
+PRESETS = ["int8", "kivi-4", "kivi-3", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct", "kvquant-3", "kivi-4-q16",
+           "kivi-2-q8"]
 CAPABILITIES = (80, 90)
 KEY, VALUE = (4, AXIS_CHANNEL, 16, False, 0), (4, AXIS_TOKEN, 16, False, 0)
 
@@ -52,10 +53,15 @@ def matrix_launches() -> list:
         for extra in (dict(ratio=1, d=128), dict(ratio=1, d=256, hkv=1, dtype=torch.bfloat16), dict(ratio=8, hkv=1), dict(pre_rope=True, softcap=2.5),
                       dict(head_mask=True, dtype=torch.float16), dict(dtype=torch.bfloat16, pre_rope=True)):  # fmt: skip
             attend(native_case(0, k_fmt=KEY, v_fmt=VALUE, blocks=2, **extra), torch.ops.kvq.triton_decode_attention)
+        for k_fmt, dtype in (((4, AXIS_CHANNEL, 16, False, 0, 16), torch.float32), ((2, AXIS_CHANNEL, FIXED, False, 0, 8), torch.float16)):
+            attend(native_case(0, k_fmt=k_fmt, v_fmt=VALUE, blocks=2, dtype=dtype), torch.ops.kvq.triton_decode_attention)  # integer queries
         for k_fmt, v_fmt in [((2, AXIS_CHANNEL, False, 0), (4, AXIS_TOKEN, False, 0)), ((3, AXIS_CHANNEL, True, 1, FIXED),
                              (2, AXIS_TOKEN, True, 2)), ((0, AXIS_TOKEN, False, 0), (8, AXIS_CHANNEL, False, 0))]:  # fmt: skip
             for extra in (dict(), dict(per_query=True, pre_rope=True, softcap=2.0)):
                 attend(streaming_case(0, 5, k_fmt, v_fmt, **extra), torch.ops.kvq.triton_chunk_attention)
+        for bits in (8, 16):  # keys scored against an integer query
+            attend(streaming_case(0, 5, (4, AXIS_CHANNEL, False, 0), (2, AXIS_TOKEN, False, 0), k_query_bits=bits, softcap=2.0),
+                   torch.ops.kvq.triton_chunk_attention)
         x = torch.randn(1, 2, 32, 64)
         for bits in (2, 3, 4, 8):
             for axis, group in ((AXIS_TOKEN, 32), (AXIS_CHANNEL, 16)):
