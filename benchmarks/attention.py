@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from common import machine, save_json, smollm2, stamp
+from common import machine, preset_config, save_json, smollm2, stamp
 
 HQ, HKV, D = 9, 3, 64
 
@@ -82,10 +82,11 @@ def _timed(fn) -> float:
 
 
 def filled_layer(model, preset: str, n: int):
-    """Layer 0 of a fresh quantized cache for `model`, filled with `n` random tokens."""
-    from kvq_ao import KVQuantConfig, make_cache, quantize_kv_
+    """Layer 0 of a fresh quantized cache for `model`, filled with `n` random tokens (`preset`: a
+    name, or "<preset>/<scores>", `common.preset_config`)."""
+    from kvq_ao import make_cache, quantize_kv_
 
-    config = KVQuantConfig.preset(preset)
+    config = preset_config(preset)
     quantize_kv_(model, config)
     layer = make_cache(model, config).layers[0]
     g = torch.Generator().manual_seed(0)

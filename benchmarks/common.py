@@ -17,6 +17,21 @@ from pathlib import Path
 import torch
 
 
+def preset_config(name: str):
+    """A preset by name, or "<preset>/<scores>": the preset with every layer's keys scored as
+    `scores` ("float", "int8", "int16"; `QuantSpec.scores`), to time or judge one scoring against another."""
+    import dataclasses
+
+    from kvq_ao import KVQuantConfig
+
+    preset, _, scores = name.partition("/")
+    cfg = KVQuantConfig.preset(preset)
+    if not scores:
+        return cfg
+    layer = lambda kv: dataclasses.replace(kv, key=dataclasses.replace(kv.key, scores=scores))  # noqa: E731
+    return dataclasses.replace(cfg, default=layer(cfg.default), layers=tuple(map(layer, cfg.layers)), name=name)
+
+
 def smollm2(threads: int):
     """(SmolLM2-135M-Instruct in float32, its tokenizer), with torch using `threads` threads."""
     from kvq_ao.models import load_model

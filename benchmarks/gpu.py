@@ -65,8 +65,9 @@ def _operand(x: torch.Tensor, side: torch.Tensor, spec, scale_dtype: torch.dtype
     from kvq_ao.quant.uniform import fixed_range
 
     axis = AXIS_CHANNEL if spec.axis == "channel" else AXIS_TOKEN
-    bits, _, group, _ = encode(spec.bits, axis, spec.group_size, calibrated_rows=spec.calibrated_ranges)
-    fields = dict(bits=bits, axis=axis, group=group, codes=x.to(dtype), scale=None, zero=None,
+    bits, _, group, query_bits = encode(spec.bits, axis, spec.group_size, calibrated_rows=spec.calibrated_ranges,
+                                        query_bits=spec.query_bits)  # fmt: skip
+    fields = dict(bits=bits, axis=axis, group=group, query_bits=query_bits, codes=x.to(dtype), scale=None, zero=None,
                   codebook=None, out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
     if spec.bits:
         codebook = nf_codebook(spec.bits).to(x.device) if spec.dtype != "int" else None

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common import smollm2, stamp
+from common import preset_config, smollm2, stamp
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n\n")  # fmt: skip
@@ -42,9 +42,10 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 
 def _config(name: str):
+    """A config file (.json), a preset, or "<preset>/<scores>" (`common.preset_config`)."""
     from kvq_ao import KVQuantConfig
 
-    return KVQuantConfig.load(name) if name.endswith(".json") else KVQuantConfig.preset(name)
+    return KVQuantConfig.load(name) if name.endswith(".json") else preset_config(name)
 
 
 def _label(name: str) -> str:

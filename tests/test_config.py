@@ -17,9 +17,10 @@ def test_presets_round_trip_through_json(name, tmp_path):
 
 
 def test_kivi_presets_follow_kivi():
+    """KIVI's layouts; kivi-4's keys scored against an int16 query (docs/integer_scores.md)."""
     for bits in (2, 4):
         cfg = KVQuantConfig.preset(f"kivi-{bits}")
-        assert cfg.default.key == QuantSpec(bits, "channel", 32)
+        assert cfg.default.key == QuantSpec(bits, "channel", 32, scores="int16" if bits == 4 else "float")
         assert cfg.default.value == QuantSpec(bits, "token", 32)
         assert cfg.residual_length == 128
 

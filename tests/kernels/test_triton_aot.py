@@ -22,7 +22,7 @@ from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints  # noqa: E402
 
 gpu.load()
 
-PRESETS = ["int8", "kivi-4", "kivi-3", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct", "kvquant-3", "kivi-4-q16",
+PRESETS = ["int8", "kivi-4", "kivi-3", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct", "kvquant-3", "kivi-2-q16",
            "kivi-2-q8"]
 CAPABILITIES = (80, 90)
 KEY, VALUE = (4, AXIS_CHANNEL, 16, False, 0), (4, AXIS_TOKEN, 16, False, 0)
