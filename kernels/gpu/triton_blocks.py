@@ -29,8 +29,8 @@ def supported(head_dim: int, k, v) -> bool:
     `group`, `bits`, `query_bits`, `out_val` and a `side` store [..., Dv]: a `kvq_ao.format.Operand`
     or a QuantizedKV): power-of-two head_dims (>= 32, keys and values) and power-of-two groups. Keys
     scored against an integer query (`kvq_ao.format.is_int_query`) also need groups of >= 16 tokens
-    (a block of keys shares one scale row, and tl.dot takes >= 16) and no exact outliers; the kvq ops
-    serve the rest."""
+    (each group's tokens are one batch of a tl.dot, which takes >= 16) and no exact outliers; the kvq
+    ops serve the rest."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     groups = all(pow2(o.group) or o.group == fmt.ONE_ROW or o.bits == fmt.FLOAT_BITS for o in (k, v))
     int_query = fmt.is_int_query(k.query_bits)
@@ -39,9 +39,10 @@ def supported(head_dim: int, k, v) -> bool:
     return all(pow2(d) and d >= 32 for d in (head_dim, v.side.shape[-1])) and groups and scores
 
 
-def key_block(block: int, k) -> int:
-    """The body tokens per step for keys k: `block`, or for integer-query keys in per-channel groups
-    at most one group (the query is rounded once per scale row: a block must not straddle two)."""
+def chunk_key_block(block: int, k) -> int:
+    """The chunk kernel's body tokens per step for keys k: `block`, or for integer-query keys in
+    per-channel groups at most one group (its 64 query rows rounded for several scale rows at once
+    did not compile within the registers; decode's 16 rows take a whole block)."""
     return min(block, k.group) if fmt.is_int_query(k.query_bits) and k.group != fmt.ONE_ROW else block
 
 
@@ -141,10 +142,18 @@ def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T
 
 @triton.jit
 def _row_max(x):
-    """Each row's largest entry, NaN if it holds one (max drops NaN). Reductions by tl.reduce: the
-    interpreter refuses tl.max / tl.sum called from a helper."""
+    """Each row's largest entry (of a 2-D x), NaN where it holds one (see `_last_max`)."""
     top = tl.reduce(x, 1, tl.standard._elementwise_max)
     nan = tl.reduce(tl.where(x != x, 1.0, 0.0), 1, tl.standard._sum_combine) > 0
+    return tl.where(nan, float("nan"), top)
+
+
+@triton.jit
+def _last_max(x):
+    """The largest entry along x's last axis (of 3), NaN where it holds one (max drops NaN).
+    Reductions by tl.reduce: the interpreter refuses tl.max / tl.sum called from a helper."""
+    top = tl.reduce(x, 2, tl.standard._elementwise_max)
+    nan = tl.reduce(tl.where(x != x, 1.0, 0.0), 2, tl.standard._sum_combine) > 0
     return tl.where(nan, float("nan"), top)
 
 
@@ -162,33 +171,55 @@ def _round_even(x):
 def _int_query_scores(qf, codes, scale, zero, row, t0, ok_t, T, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                       GROUP: tl.constexpr, LEVELS: tl.constexpr):  # fmt: skip
     """Unscaled key scores [M, BT] of queries qf [M, D] (float32) over the BT keys at body positions
-    t0 + [0, BT) of operand row `row`, all in one scale row (`key_block`), in the integer-query format
-    (kvq_ao/format.py): per query row qs = q * scale, m = max |qs|, qi = rint(qs * (LEVELS / m)),
-    score = (m / LEVELS) (qi . code) + q . zero. The dot products are tensor-core ones of float16
-    integers (codes and int8 digits are exact in float16; products and sums, below 2^24, exact in
-    their float32 accumulators): an int16 query (LEVELS > 127) goes as two digits, qi = 256 hi + lo,
-    and their sum is the int32 dot product rounded once, as the CPU kernels'."""
-    code = tl.trans(_plane_codes(codes, row * T + t0, ok_t, BT, D, BITS).to(tl.float16))  # [D, BT]
+    t0 + [0, BT) of operand row `row`, in the integer-query format (kvq_ao/format.py): per query row
+    and scale row qs = q * scale, m = max |qs|, qi = rint(qs * (LEVELS / m)), score =
+    (m / LEVELS) (qi . code) + q . zero. A block of several scale rows (groups of GROUP tokens) is a
+    batch of them: every query row is rounded once per scale row. The dot products are tensor-core
+    ones of float16 integers (codes and int8 digits are exact in float16; products and sums, below
+    2^24, exact in their float32 accumulators). An int16 query (LEVELS > 127) goes as two digits,
+    qi = 256 hi + lo, and their sum is the int32 dot product rounded once, as the CPU kernels'."""
+    NT: tl.constexpr = BT // GROUP if GROUP != ONE_ROW and BT > GROUP else 1  # scale rows in the block
+    M: tl.constexpr = qf.shape[0]
+    code = _plane_codes(codes, row * T + t0, ok_t, BT, D, BITS).to(tl.float16)  # [BT, D]
     ch = tl.arange(0, D)
     if GROUP == ONE_ROW:  # calibrated ranges: one row for every position
-        meta = row * D + ch
-    else:
-        meta = (row * (T // GROUP) + t0 // GROUP) * D + ch
-    s = tl.load(scale + meta).to(tl.float32)
+        meta = (row * D + ch)[None, :]
+    else:  # each scale row's first token in the block
+        start = t0 + tl.arange(0, NT) * (BT // NT)
+        meta = (row * (T // GROUP) + start // GROUP)[:, None] * D + ch[None, :]
+    s = tl.load(scale + meta).to(tl.float32)  # [NT, D]
     z = tl.load(zero + meta).to(tl.float32)
-    qs = qf * s[None, :]
-    m = _row_max(tl.abs(qs))  # [M]
-    levels = tl.full([1], LEVELS, tl.float32)
-    inv = tl.math.div_rn(levels, tl.where(m > 0, m, 1.0))  # IEEE divisions, as the format's float32 ops
-    qi = tl.where(m[:, None] > 0, _round_even(qs * inv[:, None]), 0.0)
-    if LEVELS > 127:
-        hi = tl.floor((qi + 128.0) * (1.0 / 256.0))
-        lo = qi - 256.0 * hi
-        dots = tl.dot(hi.to(tl.float16), code) * 256.0 + tl.dot(lo.to(tl.float16), code)
-    else:
-        dots = tl.dot(qi.to(tl.float16), code)
-    bias = tl.reduce(qf * z[None, :], 1, tl.standard._sum_combine)
-    return dots * tl.math.div_rn(m, levels)[:, None] + bias[:, None]
+    if NT == 1:  # one scale row: 2-D tiles (triton 3.6 spills the 3-D form in the chunk kernel's 64 rows)
+        qs = qf * s
+        m = _row_max(tl.abs(qs))  # [M]
+        levels = tl.full([1], LEVELS, tl.float32)
+        inv = tl.math.div_rn(levels, tl.where(m > 0, m, 1.0))  # IEEE divisions, as the format's float32 ops
+        qi = tl.where(m[:, None] > 0, _round_even(qs * inv[:, None]), 0.0)
+        code = tl.trans(code)  # [D, BT]
+        if LEVELS > 127:
+            hi = tl.floor((qi + 128.0) * (1.0 / 256.0))
+            lo = qi - 256.0 * hi
+            dots = tl.dot(hi.to(tl.float16), code) * 256.0 + tl.dot(lo.to(tl.float16), code)
+        else:
+            dots = tl.dot(qi.to(tl.float16), code)
+        bias = tl.reduce(qf * z, 1, tl.standard._sum_combine)
+        return dots * tl.math.div_rn(m, levels)[:, None] + bias[:, None]
+    else:  # NT scale rows as a batch [NT, M, .]
+        code = tl.permute(tl.reshape(code, [NT, BT // NT, D]), (0, 2, 1))  # [NT, D, G]
+        qs = qf[None, :, :] * s[:, None, :]  # [NT, M, D]
+        m = _last_max(tl.abs(qs))  # [NT, M]
+        levels = tl.full([1, 1], LEVELS, tl.float32)
+        inv = tl.math.div_rn(levels, tl.where(m > 0, m, 1.0))
+        qi = tl.where(m[:, :, None] > 0, _round_even(qs * inv[:, :, None]), 0.0)
+        if LEVELS > 127:
+            hi = tl.floor((qi + 128.0) * (1.0 / 256.0))
+            lo = qi - 256.0 * hi
+            dots = tl.dot(hi.to(tl.float16), code) * 256.0 + tl.dot(lo.to(tl.float16), code)  # [NT, M, G]
+        else:
+            dots = tl.dot(qi.to(tl.float16), code)
+        bias = tl.reduce(qf[None, :, :] * z[:, None, :], 2, tl.standard._sum_combine)  # [NT, M]
+        out = dots * tl.math.div_rn(m, levels)[:, :, None] + bias[:, :, None]
+        return tl.reshape(tl.permute(out, (1, 0, 2)), [M, BT])
 
 
-__all__ = ["_block_levels", "_block_values", "_int_query_scores", "_levels", "_plane_codes", "key_block", "query_levels", "supported"]
+__all__ = ["_block_levels", "_block_values", "_int_query_scores", "_levels", "_plane_codes", "chunk_key_block", "query_levels", "supported"]

@@ -167,8 +167,7 @@ def triton_decode_attention(
     operands, common = _common(dict(named, q=q))
     shape = {k: v for k, v in common["shape"].items() if k not in ("DH", "BDV")}
     np_ = triton.next_power_of_2(shape["N"])
-    block = triton_blocks.key_block(triton_decode.block_tokens(d, float32=q.dtype == torch.float32,
-                                                               pre_rope=named["rope_inv_freq"] is not None), ko)  # fmt: skip
+    block = triton_decode.block_tokens(d, float32=q.dtype == torch.float32, pre_rope=named["rope_inv_freq"] is not None)
     mask_arg = mask.contiguous()  # bool: the kernels load it as int1 (a dtype view of a bool tensor fails CUDA lowering)
     splits = _splits(q, b * hkv, t, block)
     part_m = q.new_empty((b * hkv, splits, np_), dtype=torch.float32)
@@ -222,7 +221,7 @@ def triton_chunk_attention(
         mask=mask_arg, inv_freq=common["inv_freq"], body_end=body_end.contiguous(), out=out, body_start=body_start, T=t,
         S=s, TQ=tq, HKV=hkv, HQ=hq, scaling=scaling, rope_scale=rope_scale, softcap=softcap, BOUNDS=int(bounds),
         MASK_HEADS=1 if bounds else mask.shape[1], PER_QUERY_END=body_end.dim() == 1, **common["shape"],
-        BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=triton_blocks.key_block(BLOCK_T // 4 if q.dtype == torch.float32 else BLOCK_T, ko),
+        BLOCK_Q=CHUNK_BLOCK_Q, M=rows, BLOCK_T=triton_blocks.chunk_key_block(BLOCK_T // 4 if q.dtype == torch.float32 else BLOCK_T, ko),
         BLOCK_S=BLOCK_S, K_QUERY=triton_blocks.query_levels(ko),
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", **CHUNK_LAUNCH,  # tf32x3: float32 accuracy on tensor cores
     )  # fmt: skip
