@@ -77,7 +77,7 @@ def build(revision: str, directory: Path, *extra: str) -> Path:
     return binary
 
 
-NOT_THE_KERNEL = ("main", "evict", "read_dump")  # the program's own functions
+NOT_THE_KERNEL = ("main", "evict", "eviction_buffer", "read_dump")  # the program's own functions
 
 
 def function_name(symbol: str) -> str:
@@ -134,16 +134,17 @@ def main() -> None:
     binaries = {r: build(r, work / f"rev{i}") for i, r in enumerate(revisions)}
     model, _ = smollm2(1)
     q = torch.randn(1, HQ, 1, D, generator=torch.Generator().manual_seed(1))
+    dumps = {preset: work / preset.replace("/", "_") for preset in presets}  # "kivi-4/float" twins
     for preset in presets:
-        (work / preset).mkdir()
-        dump_layer(op_args(filled_layer(model, preset, args.length), q), work / preset)
+        dumps[preset].mkdir()
+        dump_layer(op_args(filled_layer(model, preset, args.length), q), dumps[preset])
 
     runs: dict[tuple, list] = {}
     for _ in range(args.rounds):
         for preset in presets:
             for n in threads:
                 for revision in revisions:
-                    line = subprocess.run([str(binaries[revision]), str(work / preset), str(args.seconds), str(n), str(args.evict_mib)],
+                    line = subprocess.run([str(binaries[revision]), str(dumps[preset]), str(args.seconds), str(n), str(args.evict_mib)],
                                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
                     runs.setdefault((preset, n, revision), []).append([float(x) for x in line])
     rows = []
@@ -157,7 +158,7 @@ def main() -> None:
     if args.perf:
         profiled = build(revisions[-1], work / "profiled", "-DKVQ_PROFILED=__attribute__((noinline))")
         for preset in presets:
-            shares = profile(profiled, work / preset, args.seconds, args.evict_mib)
+            shares = profile(profiled, dumps[preset], args.seconds, args.evict_mib)
             profiles.append(dict(format=preset, tokens=args.length, threads=1, commit=commits[revisions[-1]], percent=shares))
             top = ", ".join(f"{name} {share:.0f}%" for name, share in list(shares.items())[:8])
             print(f"{preset}, one thread, share of the kernel's samples: {top}")
