@@ -1,0 +1,169 @@
+"""Would 8-bit per-vector metadata buy issue 47's budgets? A screening on development text.
+
+Today every per-vector (token-axis) group stores a float16 scale and a float16 zero: 32 bits per 64
+channels, half a bit of every element, a fifth of a 2.5-bit budget. This experiment measures, before
+any kernel reads a new format, what two bytes per vector instead of four would buy:
+
+* the scale as an 8-bit code on a log grid, 16 steps an octave (scale = base * 2**(c / 16); a
+  256-code window covers 16 octaves, so one power-of-two base per layer and kind fits every
+  scale seen), rounded up so that the range still covers the vector;
+* the zero as an 8-bit fraction of the range: zero = -scale * levels * z / 255 (the integer zero
+  point of asymmetric int8 quantization, 255 steps over the range instead of `levels`), rounded so
+  that the range still covers the vector. A range that does not contain 0 is widened to 0.
+
+The rounding is emulated, not stored: the reference quantizer (`KVQ_AO_NATIVE=0`, set here) runs with
+`group_range` replaced for per-vector groups (calibrated per-channel ranges are left alone), so every
+dequantized value is what a kernel reading the 8-bit fields would see. Bits per element at 4096
+tokens count one byte per scale and zero of a per-vector group (everything else as the memory
+report counts it).
+
+Candidates: keys and values rotated per vector as `rot-k4v3`/`rot-k3v2` store them
+(experiments/rotation.py's "rot tokens"), and at 2.5 bits KVQuant's keys without outliers beside
+rotated per-vector values; each takes the largest full-precision window (a multiple of 16, at most
+256) its budget leaves with 8-bit metadata. Two controls measure the rounding alone: `rot-k3v2`'s
+layout (K3V2, window 112) with float16 and with 8-bit metadata, both through the reference quantizer.
+Rule (as experiments/rotation.py, fixed before any row was seen): per budget, the lowest
+development KL to the fp model.
+
+    python experiments/lean_metadata.py [--budgets 4.5,3.5,2.5] [--windows 8]
+"""
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+os.environ["KVQ_AO_NATIVE"] = "0"  # the reference quantizer, whose group_range is replaced below
+
+import torch  # noqa: E402
+from dev_text import calibrated_dev_row, dev_windows, load_dev_rows, print_dev_table, save_dev_rows  # noqa: E402
+from rotation import candidate  # noqa: E402
+
+import kvq_ao.quant.codebook as codebook_mod  # noqa: E402
+import kvq_ao.quant.uniform as uniform_mod  # noqa: E402
+from kvq_ao.memory import body_bytes, _SIDE_POS_BYTES  # noqa: E402
+
+STEPS_PER_OCTAVE = 16
+ZERO_STEPS = 255
+WINDOWS = range(256, -1, -16)
+# budget -> (family, key bits, value bits)
+CANDIDATES = {
+    4.5: [("rot tokens", 4, 4), ("rot tokens", 4, 3)],
+    3.5: [("rot tokens", 4, 2), ("rot tokens", 3, 3), ("rot tokens", 3, 2)],
+    2.5: [("rot tokens", 2, 2), ("kvq keys, no outliers + rot values", 2, 2)],
+}
+CONTROL = ("rot tokens", 3, 2, 112)  # rot-k3v2's layout, float16 and 8-bit metadata
+
+_float16_group_range = uniform_mod.group_range
+
+
+def _up_log(x: torch.Tensor) -> torch.Tensor:
+    """x (> 0) rounded up to the log grid 2**(k / STEPS_PER_OCTAVE)."""
+    k = torch.ceil(torch.log2(x.double()) * STEPS_PER_OCTAVE - 1e-9)
+    return torch.exp2(k / STEPS_PER_OCTAVE)
+
+
+def lean_group_range(g: torch.Tensor, dim: int, levels: int, scale_dtype: torch.dtype):
+    """`group_range` with the scale on the 8-bit log grid and the zero an 8-bit fraction of the
+    range, for per-vector groups (dim -1); other groups (calibrated, per-channel) as before."""
+    if dim != -1:
+        return _float16_group_range(g, dim, levels, scale_dtype)
+    lo = g.amin(dim=dim, keepdim=True).double().clamp(max=0.0)
+    hi = g.amax(dim=dim, keepdim=True).double().clamp(min=0.0)
+    span = (hi - lo).clamp(min=1e-30)
+    scale = _up_log(span / levels)
+    for _ in range(3):  # the zero's rounding can leave the top short: one grid step more covers it
+        z = torch.ceil(-lo / (scale * levels) * ZERO_STEPS - 1e-9).clamp(0, ZERO_STEPS)
+        zero = -scale * levels * z / ZERO_STEPS
+        short = zero + levels * scale < hi
+        scale = torch.where(short, scale * 2 ** (1 / STEPS_PER_OCTAVE), scale)
+    z = torch.ceil(-lo / (scale * levels) * ZERO_STEPS - 1e-9).clamp(0, ZERO_STEPS)
+    zero = -scale * levels * z / ZERO_STEPS
+    assert bool((zero <= lo + 1e-12).all()) and bool((zero + levels * scale >= hi - 1e-9 * hi.abs()).all())
+    empty = (hi - lo) <= 0
+    return torch.where(empty, lo, zero).float(), torch.where(empty, torch.zeros_like(scale), scale).float()
+
+
+def use_lean_metadata(on: bool) -> None:
+    """Route per-vector groups of both quantizers (uniform and codebook levels) through the 8-bit
+    emulation, or back to float16."""
+    fn = lean_group_range if on else _float16_group_range
+    uniform_mod.group_range = fn
+    codebook_mod.group_range = fn
+
+
+def bits_at_4096(config, lean: bool, layers: int = 30, heads: int = 3, head_dim: int = 64, tokens: int = 4096) -> float:
+    """Bits per element as `kvq_ao.memory.estimate` counts them, with one byte per scale and zero of a
+    per-vector group when `lean` (calibrated per-channel rows stay float16; they are one row a layer)."""
+    spec = config.resolve(layers)[0]
+    block = spec.token_block
+    capacity = math.ceil(tokens / block) * block
+    side = config.sink_tokens + config.residual_length + block
+    total = 0
+    for s in (spec.key, spec.value):
+        per_vector = s.axis == "token" and s.ranges != "calibrated"
+        total += body_bytes(s, heads, head_dim, capacity, 4, 1 if lean and per_vector else 2)
+    total += 2 * heads * side * head_dim * 2 + side * _SIDE_POS_BYTES + 8
+    return 8 * total * layers / (2 * layers * heads * head_dim * tokens)
+
+
+def fitted(budget: float, family: str, kb: int, vb: int):
+    for window in WINDOWS:
+        cfg = candidate(family, kb, vb, window)
+        if bits_at_4096(cfg, lean=True) <= budget:
+            return cfg
+    return None
+
+
+def main() -> None:
+    from kvq_ao.calibration import collect
+    from kvq_ao.models import calibration_windows, load_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budgets", default="4.5,3.5,2.5")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="results/rotation/lean_metadata_dev.json")
+    args = parser.parse_args()
+    budgets = [float(b) for b in args.budgets.split(",")]
+    family, kb, vb, w = CONTROL
+    plan = [(None, (family, kb, vb), candidate(family, kb, vb, w), lean) for lean in (False, True)]
+    for b in budgets:
+        for c in CANDIDATES[b]:
+            cfg = fitted(b, *c)
+            print(f"budget {b}: {cfg.name if cfg else f'{c} fits no window: skipped'}")
+            if cfg is not None:
+                plan.append((b, c, cfg, True))
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2")
+    dev = dev_windows(tok, args.windows, 1025)
+    ids = calibration_windows(tok)
+    acts = {}
+    rows = load_dev_rows(args.out)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    folder = Path("/tmp/kvq-lean-metadata")
+    for budget, (family, kb, vb), cfg, lean in plan:
+        label = f"{cfg.name} {'8-bit' if lean else 'float16'} metadata"
+        if any(r["config_label"] == label for r in rows):
+            continue
+        use_lean_metadata(lean)
+        if cfg.pre_rope_keys not in acts:
+            acts[cfg.pre_rope_keys] = collect(model, ids, pre_rope=cfg.pre_rope_keys)
+        row = calibrated_dev_row(model, dev, acts[cfg.pre_rope_keys], cfg, folder / f"{label.replace(' ', '-')}.json",
+                                 config_label=label, budget=budget, family=family, key_bits=kb, value_bits=vb,
+                                 fp_window=cfg.residual_length, metadata="8-bit" if lean else "float16",
+                                 bits_lean=bits_at_4096(cfg, lean))  # fmt: skip
+        rows.append(row)
+        save_dev_rows(args.out, rows)
+    use_lean_metadata(False)
+    chosen = {b: min((r for r in rows if r["budget"] == b), key=lambda r: r["kl"]) for b in budgets}
+    print_dev_table("development text: 8-bit per-vector metadata (emulated)", rows,
+                    {"budget": lambda r: str(r["budget"] or "control"), "family": lambda r: r["family"],
+                     "K/V bits": lambda r: f"{r['key_bits']}/{r['value_bits']}", "window": lambda r: str(r["fp_window"]),
+                     "metadata": lambda r: r["metadata"]},
+                    {"bits/elem @4096": lambda r: f"{r['bits_lean']:.2f}",
+                     "chosen (KL)": lambda r: "yes" if chosen.get(r["budget"]) is r else ""})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
