@@ -234,7 +234,7 @@ def attention(
     q = realize(q)
     b, hq, tq, d = q.shape
     k_operand = k
-    # int8-query keys are scored from their codes: their float body is never needed
+    # integer-query keys (int8 or int16) are scored from their codes: their float body is never needed
     k = None if k_operand.int_query else dequantize_operand(k, torch.float32, for_inductor)
     v = dequantize_operand(v, torch.float32, for_inductor)
     hkv, t = k_operand.codes.shape[1], k_operand.codes.shape[2]
@@ -319,7 +319,7 @@ def block_attention(q, k, v, ok, scaling: float, softcap: float, raw: torch.Tens
     """Softmax attention of queries q [B, H, R, D] over one block of keys/values [B, H, L, D]
     where `ok` [B, 1 or H, R, L] allows (None: everywhere) -> (out [B, H, R, Dv], logsumexp
     [B, H, R]); rows with nothing allowed get out 0 and logsumexp -inf. `raw` [B, H, R, L]: the
-    unscaled scores, already computed (int8-query keys; k is then unused). On CPU without
+    unscaled scores, already computed (integer-query keys; k is then unused). On CPU without
     soft-capping or given scores this is ATen's flash attention kernel (it returns the logsumexp
     a split softmax needs); otherwise written out."""
     if ok is not None and bool(ok.all()):
@@ -395,7 +395,7 @@ def streaming_attention(
     def attend(i: int, j: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ok=None, raw=None) -> None:
         """Merge queries [i, j)'s attention over keys/values [B, Hq, L, D] at `positions` where the
         mask and ok ([j - i, L] per query) allow; ok None: every query of the tile may read every key.
-        raw: the tile's unscaled scores [B, Hq, j - i, L] (int8-query keys), else q . keys."""
+        raw: the tile's unscaled scores [B, Hq, j - i, L] (integer-query keys), else q . keys."""
         if positions.numel() == 0:  # nothing to read (ATen's flash kernel divides by the key count)
             return
         allow = None

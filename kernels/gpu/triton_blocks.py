@@ -141,19 +141,11 @@ def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T
 
 
 @triton.jit
-def _row_max(x):
-    """Each row's largest entry (of a 2-D x), NaN where it holds one (see `_last_max`)."""
-    top = tl.reduce(x, 1, tl.standard._elementwise_max)
-    nan = tl.reduce(tl.where(x != x, 1.0, 0.0), 1, tl.standard._sum_combine) > 0
-    return tl.where(nan, float("nan"), top)
-
-
-@triton.jit
 def _last_max(x):
-    """The largest entry along x's last axis (of 3), NaN where it holds one (max drops NaN).
+    """The largest entry along x's last axis, NaN where it holds one (max drops NaN).
     Reductions by tl.reduce: the interpreter refuses tl.max / tl.sum called from a helper."""
-    top = tl.reduce(x, 2, tl.standard._elementwise_max)
-    nan = tl.reduce(tl.where(x != x, 1.0, 0.0), 2, tl.standard._sum_combine) > 0
+    top = tl.reduce(x, -1, tl.standard._elementwise_max)
+    nan = tl.reduce(tl.where(x != x, 1.0, 0.0), -1, tl.standard._sum_combine) > 0
     return tl.where(nan, float("nan"), top)
 
 
@@ -165,6 +157,25 @@ def _round_even(x):
     rounds)."""
     x = x.to(tl.int32, bitcast=True).to(tl.float32, bitcast=True)
     return (x + ROUND_MAGIC) - ROUND_MAGIC
+
+
+@triton.jit
+def _int_dots(qs, code, LEVELS: tl.constexpr):
+    """(m / LEVELS) (qi . code) for query rows qs [..., M, D] (q times a scale row) and codes
+    [..., D, G], 2-D or a batch: each row rounded to qi = rint(qs * (LEVELS / m)), m = max |qs|
+    (IEEE divisions, as the format's float32 ops). An int16 query (LEVELS > 127) goes as two int8
+    digits, qi = 256 hi + lo, each a float16 tensor-core dot exact in its float32 accumulator."""
+    m = _last_max(tl.abs(qs))
+    levels = tl.full([1], LEVELS, tl.float32)
+    inv = tl.math.div_rn(levels, tl.where(m > 0, m, 1.0))
+    qi = tl.where(tl.expand_dims(m, -1) > 0, _round_even(qs * tl.expand_dims(inv, -1)), 0.0)
+    if LEVELS > 127:
+        hi = tl.floor((qi + 128.0) * (1.0 / 256.0))
+        lo = qi - 256.0 * hi
+        dots = tl.dot(hi.to(tl.float16), code) * 256.0 + tl.dot(lo.to(tl.float16), code)
+    else:
+        dots = tl.dot(qi.to(tl.float16), code)
+    return dots * tl.expand_dims(tl.math.div_rn(m, levels), -1)
 
 
 @triton.jit
@@ -190,35 +201,12 @@ def _int_query_scores(qf, codes, scale, zero, row, t0, ok_t, T, BT: tl.constexpr
     s = tl.load(scale + meta).to(tl.float32)  # [NT, D]
     z = tl.load(zero + meta).to(tl.float32)
     if NT == 1:  # one scale row: 2-D tiles (triton 3.6 spills the 3-D form in the chunk kernel's 64 rows)
-        qs = qf * s
-        m = _row_max(tl.abs(qs))  # [M]
-        levels = tl.full([1], LEVELS, tl.float32)
-        inv = tl.math.div_rn(levels, tl.where(m > 0, m, 1.0))  # IEEE divisions, as the format's float32 ops
-        qi = tl.where(m[:, None] > 0, _round_even(qs * inv[:, None]), 0.0)
-        code = tl.trans(code)  # [D, BT]
-        if LEVELS > 127:
-            hi = tl.floor((qi + 128.0) * (1.0 / 256.0))
-            lo = qi - 256.0 * hi
-            dots = tl.dot(hi.to(tl.float16), code) * 256.0 + tl.dot(lo.to(tl.float16), code)
-        else:
-            dots = tl.dot(qi.to(tl.float16), code)
         bias = tl.reduce(qf * z, 1, tl.standard._sum_combine)
-        return dots * tl.math.div_rn(m, levels)[:, None] + bias[:, None]
+        return _int_dots(qf * s, tl.trans(code), LEVELS) + bias[:, None]
     else:  # NT scale rows as a batch [NT, M, .]
         code = tl.permute(tl.reshape(code, [NT, BT // NT, D]), (0, 2, 1))  # [NT, D, G]
-        qs = qf[None, :, :] * s[:, None, :]  # [NT, M, D]
-        m = _last_max(tl.abs(qs))  # [NT, M]
-        levels = tl.full([1, 1], LEVELS, tl.float32)
-        inv = tl.math.div_rn(levels, tl.where(m > 0, m, 1.0))
-        qi = tl.where(m[:, :, None] > 0, _round_even(qs * inv[:, :, None]), 0.0)
-        if LEVELS > 127:
-            hi = tl.floor((qi + 128.0) * (1.0 / 256.0))
-            lo = qi - 256.0 * hi
-            dots = tl.dot(hi.to(tl.float16), code) * 256.0 + tl.dot(lo.to(tl.float16), code)  # [NT, M, G]
-        else:
-            dots = tl.dot(qi.to(tl.float16), code)
         bias = tl.reduce(qf[None, :, :] * z[:, None, :], 2, tl.standard._sum_combine)  # [NT, M]
-        out = dots * tl.math.div_rn(m, levels)[:, :, None] + bias[:, :, None]
+        out = _int_dots(qf[None, :, :] * s[:, None, :], code, LEVELS) + bias[:, :, None]  # [NT, M, G]
         return tl.reshape(tl.permute(out, (1, 0, 2)), [M, BT])
 
 
