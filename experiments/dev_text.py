@@ -30,14 +30,28 @@ def dev_windows(tok, n: int, length: int) -> torch.Tensor:
     return ids[: n * length].reshape(n, length)
 
 
-def dev_setup(threads: int, windows: int = 8):
-    """(model, development windows `windows` x 1025, calibration activations) that the
-    development-text benchmarks share: SmolLM2, the text of `dev_windows`, and pre-RoPE activations
-    of the calibration samples `kvq calibrate` uses."""
+def dev_model(threads: int, windows: int = 8):
+    """(model, development windows `windows` x 1025, activations_of): SmolLM2, the text of
+    `dev_windows`, and `activations_of(pre_rope)`, the activations of the calibration samples
+    `kvq calibrate` uses, collected once per RoPE placement on first ask."""
     torch.set_num_threads(threads)
     model, tok = load_model("smollm2")
-    dev = dev_windows(tok, windows, 1025)
-    acts = collect(model, calibration_windows(tok), pre_rope=True)
+    ids = calibration_windows(tok)
+    collected = {}
+
+    def activations_of(pre_rope: bool):
+        if pre_rope not in collected:
+            collected[pre_rope] = collect(model, ids, pre_rope=pre_rope)
+        return collected[pre_rope]
+
+    return model, dev_windows(tok, windows, 1025), activations_of
+
+
+def dev_setup(threads: int, windows: int = 8):
+    """(model, development windows `windows` x 1025, calibration activations) that the
+    development-text benchmarks share: `dev_model`'s, with the pre-RoPE activations."""
+    model, dev, activations_of = dev_model(threads, windows)
+    acts = activations_of(True)
     return model, dev, acts
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 os.environ["KVQ_AO_NATIVE"] = "0"  # the reference quantizer, whose group_range is replaced below
 
 import torch  # noqa: E402
-from dev_text import calibrated_dev_row, dev_windows, load_dev_rows, print_dev_table, save_dev_rows  # noqa: E402
+from dev_text import calibrated_dev_row, dev_model, load_dev_rows, print_dev_table, save_dev_rows  # noqa: E402
 from rotation import candidate  # noqa: E402
 
 import kvq_ao.quant.codebook as codebook_mod  # noqa: E402
@@ -72,13 +72,13 @@ def lean_group_range(g: torch.Tensor, dim: int, levels: int, scale_dtype: torch.
     hi = g.amax(dim=dim, keepdim=True).double().clamp(min=0.0)
     span = (hi - lo).clamp(min=1e-30)
     scale = _up_log(span / levels)
-    for _ in range(3):  # the zero's rounding can leave the top short: one grid step more covers it
+    while True:  # the zero's rounding can leave the top short: a grid step more covers it
         z = torch.ceil(-lo / (scale * levels) * ZERO_STEPS - 1e-9).clamp(0, ZERO_STEPS)
         zero = -scale * levels * z / ZERO_STEPS
         short = zero + levels * scale < hi
+        if not bool(short.any()):
+            break
         scale = torch.where(short, scale * 2 ** (1 / STEPS_PER_OCTAVE), scale)
-    z = torch.ceil(-lo / (scale * levels) * ZERO_STEPS - 1e-9).clamp(0, ZERO_STEPS)
-    zero = -scale * levels * z / ZERO_STEPS
     assert bool((zero <= lo + 1e-12).all()) and bool((zero + levels * scale >= hi - 1e-9 * hi.abs()).all())
     empty = (hi - lo) <= 0
     return torch.where(empty, lo, zero).float(), torch.where(empty, torch.zeros_like(scale), scale).float()
@@ -116,9 +116,6 @@ def fitted(budget: float, family: str, kb: int, vb: int):
 
 
 def main() -> None:
-    from kvq_ao.calibration import collect
-    from kvq_ao.models import calibration_windows, load_model
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budgets", default="4.5,3.5,2.5")
     parser.add_argument("--windows", type=int, default=8)
@@ -134,11 +131,7 @@ def main() -> None:
             print(f"budget {b}: {cfg.name if cfg else f'{c} fits no window: skipped'}")
             if cfg is not None:
                 plan.append((b, c, cfg, True))
-    torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2")
-    dev = dev_windows(tok, args.windows, 1025)
-    ids = calibration_windows(tok)
-    acts = {}
+    model, dev, activations_of = dev_model(args.threads, args.windows)
     rows = load_dev_rows(args.out)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     folder = Path("/tmp/kvq-lean-metadata")
@@ -147,9 +140,7 @@ def main() -> None:
         if any(r["config_label"] == label for r in rows):
             continue
         use_lean_metadata(lean)
-        if cfg.pre_rope_keys not in acts:
-            acts[cfg.pre_rope_keys] = collect(model, ids, pre_rope=cfg.pre_rope_keys)
-        row = calibrated_dev_row(model, dev, acts[cfg.pre_rope_keys], cfg, folder / f"{label.replace(' ', '-')}.json",
+        row = calibrated_dev_row(model, dev, activations_of(cfg.pre_rope_keys), cfg, folder / f"{label.replace(' ', '-')}.json",
                                  config_label=label, budget=budget, family=family, key_bits=kb, value_bits=vb,
                                  fp_window=cfg.residual_length, metadata="8-bit" if lean else "float16",
                                  bits_lean=bits_at_4096(cfg, lean))  # fmt: skip

@@ -25,7 +25,7 @@ the fp model. Writes results/rotation/rotation_dev.json and prints a table.
 import argparse
 from pathlib import Path
 
-from dev_text import calibrated_dev_row, dev_windows, load_dev_rows, print_dev_table, save_dev_rows
+from dev_text import calibrated_dev_row, dev_model, load_dev_rows, print_dev_table, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.config import KVQUANT_LAYOUT
@@ -83,11 +83,6 @@ def fitted(budget: float, family: str, key_bits: int, value_bits: int) -> KVQuan
 
 
 def main() -> None:
-    import torch
-
-    from kvq_ao.calibration import collect
-    from kvq_ao.models import calibration_windows, load_model
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budgets", default="4.5,3.5,2.5")
     parser.add_argument("--windows", type=int, default=8)
@@ -99,20 +94,14 @@ def main() -> None:
     for budget, c, cfg in plan:
         print(f"budget {budget}: {cfg.name if cfg else f'{c} fits no window: skipped'}")
     plan = [(b, c, cfg) for b, c, cfg in plan if cfg is not None]
-    torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2")
-    dev = dev_windows(tok, args.windows, 1025)
-    ids = calibration_windows(tok)
-    acts = {}
+    model, dev, activations_of = dev_model(args.threads, args.windows)
     rows = load_dev_rows(args.out)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     folder = Path("/tmp/kvq-rotation")
     for budget, (family, kb, vb), cfg in plan:
         if any(r["config"] == cfg.name for r in rows):
             continue
-        if cfg.pre_rope_keys not in acts:
-            acts[cfg.pre_rope_keys] = collect(model, ids, pre_rope=cfg.pre_rope_keys)
-        rows.append(calibrated_dev_row(model, dev, acts[cfg.pre_rope_keys], cfg, folder / f"{cfg.name.replace(' ', '-')}.json",
+        rows.append(calibrated_dev_row(model, dev, activations_of(cfg.pre_rope_keys), cfg, folder / f"{cfg.name.replace(' ', '-')}.json",
                                        budget=budget, family=family, key_bits=kb, value_bits=vb, fp_window=cfg.residual_length))  # fmt: skip
         save_dev_rows(args.out, rows)
     chosen = {b: min((r for r in rows if r["budget"] == b), key=lambda r: r["kl"]) for b in budgets}
