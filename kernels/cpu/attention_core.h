@@ -22,8 +22,8 @@
 // * the tasks' partial results are merged with their log-sum-exp (split softmax).
 // Arithmetic is float32 throughout; GCC/Clang vector extensions give explicit 8-wide SIMD that
 // compiles to AVX2/AVX-512 or NEON (-march=native at build time), with scalar tails for any
-// head_dim. The tiled paths use 16 lanes where AVX-512 has the registers for them; the fused paths
-// are written for 8 lanes and AVX2's 16 registers.
+// head_dim. The hot loops use 16 lanes where AVX-512 has the registers for them (3-bit rows of
+// head_dim 64 as plane pairs, kPlanePairs), else 8 lanes within AVX2's 16 registers.
 
 #pragma once
 
@@ -202,6 +202,28 @@ template <int BITS, int N> inline typename Vec<N>::i code_words_v(const uint8_t*
   typename Vec<N>::i word = bytesv<N>(row + j);
   if constexpr (BITS == 3) word = word | (bytesv<N>(row + P + j) << 8) | (bytesv<N>(row + 2 * P + j) << 16);
   return word;
+}
+// Channel blocks of the fused loops: N consecutive channels of one plane (word j of a row holds code
+// j of every plane), except 3-bit codes at 8 bytes a plane (head_dim 64) in 16 lanes, where a block
+// is a plane pair: the row's 8 code words in both halves of a register, block i = planes 2i (low
+// half) and 2i + 1 = channels [16i, 16i + 16). Without pairs such rows ran on 8 lanes (other
+// 3-bit rows still do: wide_scores).
+template <int BITS, int N> constexpr bool kPlanePairs = BITS == 3 && N == 16;
+template <int BITS, int N> constexpr int kBlocksOf = kPlanePairs<BITS, N> ? kPlanesOf<BITS> / 2 : kPlanesOf<BITS>;
+// The code words of block column j of a row (P = dim / kBlocksOf: a plane's bytes, or a pair's 16).
+template <int BITS, int N> inline typename Vec<N>::i block_words(const uint8_t* row, int j, int P) {
+  if constexpr (kPlanePairs<BITS, N>) {
+    const v8i w = code_words<BITS>(row, 0, P / 2);
+#if defined(__AVX512F__)
+    return reinterpret_cast<typename Vec<N>::i>(_mm512_broadcast_i64x4(reinterpret_cast<__m256i>(w)));
+#else
+    typename Vec<N>::i both;  // (a copy through memory would stall on store forwarding)
+    for (int l = 0; l < N; ++l) both[l] = w[l % 8];
+    return both;
+#endif
+  } else {
+    return code_words_v<BITS, N>(row, j, P);
+  }
 }
 // The 8 lanes of a + the 8 lanes of b, as one v8f (halves of 16-lane sums).
 inline v8f fold16(Vec<16>::f v) {
@@ -741,10 +763,26 @@ struct Operand {
   template <int BITS>
   static constexpr int max_pass_heads() { return BITS == 4 || BITS == 8 ? 4 : 3; }
 
-  // The bare levels (the integer grid, or the codebook) of plane i of 8 code words (code_words).
+  // The bare levels (the integer grid, or the codebook) of plane i of N code words (code_words), or
+  // of block i of a plane pair's words (kPlanePairs, block_words).
   template <int BITS, bool CB, int N = 8>
   typename Vec<N>::f plane_levels(typename Vec<N>::i word, int i) const {
     constexpr int32_t kMask = BITS == 8 ? 0xff : (1 << BITS) - 1;
+    if constexpr (kPlanePairs<BITS, N>) {  // planes 2i and 2i + 1: shifts 6i in the low half, 6i + 3 in the high
+#if defined(__AVX512F__)
+      // vpermps reads an index's low 4 bits: the 8 levels repeated, so the next code's bit needs no mask
+      const __m512 grid = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+      const __m512 table = CB ? _mm512_shuffle_f32x4(_mm512_castps256_ps512(_mm256_loadu_ps(levels)),
+                                                     _mm512_castps256_ps512(_mm256_loadu_ps(levels)), 0x44)
+                              : grid;
+      const __m512i shift = _mm512_add_epi32(_mm512_set1_epi32(6 * i), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3, 3, 3, 3, 3));
+      return reinterpret_cast<typename Vec<N>::f>(_mm512_permutexvar_ps(_mm512_srlv_epi32(reinterpret_cast<__m512i>(word), shift), table));
+#else
+      typename Vec<N>::i code;
+      for (int l = 0; l < N; ++l) code[l] = (word[l] >> (BITS * (2 * i + l / 8))) & kMask;
+      return CB ? lookupv<N, BITS>(code, levels) : __builtin_convertvector(code, typename Vec<N>::f);
+#endif
+    }
 #if defined(__AVX512F__)
     if constexpr (N == 16 && (BITS == 4 || (BITS == 2 && !CB))) {
       // vpermps reads only an index's low 4 bits, so the codes of the planes above need no mask:
@@ -765,7 +803,11 @@ struct Operand {
   // prefetched); a value lane still accumulates one channel in the same order, a key score's lanes
   // are summed in another order (a float rounding apart).
   template <int BITS>
-  bool wide_scores() const { return kWide == 16 && BITS != 3 && (dim / kPlanesOf<BITS>) % 16 == 0; }
+  bool wide_scores() const {
+    const int P = dim / kPlanesOf<BITS>;
+    // 16-lane 3-bit code words are plane pairs (kPlanePairs), so only rows of 8-byte planes (head_dim 64)
+    return kWide == 16 && (BITS == 3 ? P == 8 : P % 16 == 0);
+  }
   template <int BITS>
   bool wide_values() const { return wide_scores<BITS>() && group % 16 == 0; }
 
@@ -1106,7 +1148,7 @@ struct Operand {
   template <int BITS, bool CB, int NH, int ROWS, int N = 8>
   void fused_row_block(const float* qs, const uint8_t* rows, typename Vec<N>::f (&part)[NH][8], int jj) const {
     typedef typename Vec<N>::f vf;
-    constexpr int kPlanes = kPlanesOf<BITS>, kChains = ROWS == 1 ? 2 : 1;
+    constexpr int kPlanes = kBlocksOf<BITS, N>, kChains = ROWS == 1 ? 2 : 1;
     const int P = dim / kPlanes;
     vf s[kChains][ROWS][NH];
     for (int c = 0; c < kChains; ++c)
@@ -1114,7 +1156,7 @@ struct Operand {
         for (int h = 0; h < NH; ++h) s[c][r][h] = splatv<N>(0.f);
     for (int jb = 0; jb < P; jb += N) {
       typename Vec<N>::i word[ROWS];
-      for (int r = 0; r < ROWS; ++r) word[r] = code_words_v<BITS, N>(rows + r * row_bytes, jb, P);
+      for (int r = 0; r < ROWS; ++r) word[r] = block_words<BITS, N>(rows + r * row_bytes, jb, P);
       for (int i = 0; i < kPlanes; ++i) {
         vf level[ROWS];
         for (int r = 0; r < ROWS; ++r) level[r] = plane_levels<BITS, CB, N>(word[r], i);
@@ -1137,45 +1179,53 @@ struct Operand {
   // times rope_scale) in registers and stored once (before: a tile written, patched, then read and
   // rewritten by the rotation). Channel pairs (c, c + dim/2) come from planes i and i + planes/2 of
   // the same code word (8-bit codes: two words). Needs rope_fusable().
-  template <int BITS, bool CB, int NS>
+  template <int BITS, bool CB, int NS, int N = 8>
   void rope_rows(int64_t first, int count, const float* cos_t, const float* sin_t, const float* sc, const float* zc,
                  const float* out_vals, float* out) const {
-    constexpr int kPlanes = kPlanesOf<BITS>;
+    typedef typename Vec<N>::f vf;
+    typedef typename Vec<N>::i vi;
+    constexpr int kPlanes = kBlocksOf<BITS, N>;
     const int P = dim / kPlanes, half = dim / 2;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     const uint8_t* idx = NS ? out_idx_p + first * NS : nullptr;
-    const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    vi lanes;
+    for (int l = 0; l < N; ++l) lanes[l] = l;
     for (int j = 0; j < count; ++j) {
       prefetch_ahead(src, j);
       const uint8_t* r = src + j * row_bytes;
       const float* cr = cos_t + j * half;
       const float* sr = sin_t + j * half;
       float* y = out + j * kRow;
-      v8i at[NS + 1];  // the row's outlier channels (>= dim: none) and exact values, broadcast
-      v8f exact[NS + 1];
-      for (int o = 0; o < NS; ++o) at[o] = splat_i(idx[j * NS + o]), exact[o] = splat(out_vals[j * NS + o]);
-      auto pair = [&](v8f l1, v8f l2, int c) {  // channels [c, c + 8) and their partners [c + half, c + half + 8)
-        v8f x1 = l1 * load8(sc + c) + load8(zc + c), x2 = l2 * load8(sc + c + half) + load8(zc + c + half);
+      vi at[NS + 1];  // the row's outlier channels (>= dim: none) and exact values, broadcast
+      vf exact[NS + 1];
+      for (int o = 0; o < NS; ++o) at[o] = static_cast<int32_t>(idx[j * NS + o]) - vi{}, exact[o] = splatv<N>(out_vals[j * NS + o]);
+      auto pair = [&](vf l1, vf l2, int c) {  // channels [c, c + N) and their partners [c + half, c + half + N)
+        vf x1 = l1 * loadv<N>(sc + c) + loadv<N>(zc + c), x2 = l2 * loadv<N>(sc + c + half) + loadv<N>(zc + c + half);
         for (int o = 0; o < NS; ++o) {  // an exact outlier replaces its channel's dense value
           x1 = at[o] == lanes + c ? exact[o] : x1;
           x2 = at[o] == lanes + (c + half) ? exact[o] : x2;
         }
-        const v8f cs = load8(cr + c), sn = load8(sr + c);
-        store8(y + c, x1 * cs - x2 * sn);
-        store8(y + c + half, x2 * cs + x1 * sn);
+        const vf cs = loadv<N>(cr + c), sn = loadv<N>(sr + c);
+        storev<N>(y + c, x1 * cs - x2 * sn);
+        storev<N>(y + c + half, x2 * cs + x1 * sn);
       };
       if constexpr (BITS == 8) {
-        for (int c = 0; c < half; c += 8)
-          pair(plane_levels<BITS, CB>(bytes8(r + c), 0), plane_levels<BITS, CB>(bytes8(r + c + half), 0), c);
+        for (int c = 0; c < half; c += N)
+          pair(plane_levels<BITS, CB, N>(bytesv<N>(r + c), 0), plane_levels<BITS, CB, N>(bytesv<N>(r + c + half), 0), c);
       } else {
-        for (int jb = 0; jb < P; jb += 8) {
-          const v8i word = code_words<BITS>(r, jb, P);
+        for (int jb = 0; jb < P; jb += N) {
+          const vi word = block_words<BITS, N>(r, jb, P);
           for (int i = 0; i < kPlanes / 2; ++i)
-            pair(plane_levels<BITS, CB>(word, i), plane_levels<BITS, CB>(word, i + kPlanes / 2), i * P + jb);
+            pair(plane_levels<BITS, CB, N>(word, i), plane_levels<BITS, CB, N>(word, i + kPlanes / 2), i * P + jb);
         }
       }
     }
   }
+
+  // rope_rows in 16 lanes where the blocks (wide_scores) and, for 8-bit codes, half a row are whole
+  // 16-channel blocks.
+  template <int BITS>
+  bool wide_rope() const { return wide_scores<BITS>() && (BITS != 8 || (dim / 2) % 16 == 0); }
 
   // rope_rows's layout needs: whole 8-channel blocks in every plane, and an even plane count
   // (or 8-bit codes with dim/2 a multiple of 8), so each block's RoPE partner is a block too; and
@@ -1192,10 +1242,10 @@ struct Operand {
   template <int BITS, bool CB, int NH, int N = 8>
   void fused_accumulate(float* const* acc, const float* correction, const float* w, const float* zsum, int64_t first, int count) const {
     typedef typename Vec<N>::f vf;
-    constexpr int kPlanes = kPlanesOf<BITS>;
+    constexpr int kPlanes = kBlocksOf<BITS, N>;
     const int P = dim / kPlanes;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
-    constexpr int kSweep = sweep_planes<BITS>();
+    constexpr int kSweep = std::min(sweep_planes<BITS>(), kPlanes);
     for (int jb = 0; jb < P; jb += N)
       for (int p0 = 0; p0 < kPlanes; p0 += kSweep) {  // planes [p0, p0 + kSweep) of word block jb
         vf a[NH][kSweep];
@@ -1208,7 +1258,7 @@ struct Operand {
         }
         for (int j = 0; j < count; ++j) {
           if (jb == 0 && p0 == 0) prefetch_ahead(src, j);  // the first sweep over the rows
-          const typename Vec<N>::i word = code_words_v<BITS, N>(src + j * row_bytes, jb, P);
+          const typename Vec<N>::i word = block_words<BITS, N>(src + j * row_bytes, jb, P);
           for (int i = 0; i < kSweep; ++i) {
             const vf level = plane_levels<BITS, CB, N>(word, p0 + i);
             for (int h = 0; h < NH; ++h) a[h][i] += splatv<N>(wr[i][h * kTile + j]) * level;
@@ -1440,6 +1490,11 @@ inline v8f product_error(v8f p, v8f f, v8f a) {
   return __builtin_convertvector(pd * fd - ad, v8f);
 #endif
 }
+#if defined(__AVX512F__)
+inline Vec<16>::f product_error(Vec<16>::f p, Vec<16>::f f, Vec<16>::f a) {
+  return reinterpret_cast<Vec<16>::f>(_mm512_fmsub_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(f), reinterpret_cast<__m512>(a)));
+}
+#endif
 
 // The cos/sin tables of `angles` for runs of consecutive positions (a tile of pre-RoPE keys), without
 // a sin/cos per angle. The angle RoPE uses is the float product a = fl(p * f), as torch computes it.
@@ -1491,18 +1546,24 @@ struct AngleRuns {
       const float *ck = run_c.data() + k * half, *sk = run_s.data() + k * half;
       float *co = cos_out + k * half, *so = sin_out + k * half;
       int i = 0;
-      for (; i + 8 <= half; i += 8) {
-        const v8f c = load8(ck + i), sn = load8(sk + i), C0 = load8(c0 + i), S0 = load8(s0 + i), f = load8(inv_freq + i);
-        const v8f sin_pf = S0 * c + C0 * sn, cos_pf = C0 * c - S0 * sn;
-        const v8f a = splat(pf) * f;
-        const v8f e = product_error(splat(pf), f, a);  // p f - a = -d
-        const v8f e2 = e * e;
-        const v8f cos_d = splat(1.f) + e2 * (splat(-0.5f) + e2 * splat(1.f / 24.f)), sin_d = -(e - e2 * e * splat(1.f / 6.f));
-        v8f sv = sin_pf * cos_d + cos_pf * sin_d, cv = cos_pf * cos_d - sin_pf * sin_d;
-        if (scale != 1.f) sv *= splat(scale), cv *= splat(scale);
-        store8(so + i, sv);
-        store8(co + i, cv);
-      }
+      auto lanes = [&](auto n_c) {  // N angles a step: 16 where AVX-512 has them (8 lanes: 14% of kvquant-3's time)
+        constexpr int N = decltype(n_c)::value;
+        typedef typename Vec<N>::f vf;
+        for (; i + N <= half; i += N) {
+          const vf c = loadv<N>(ck + i), sn = loadv<N>(sk + i), C0 = loadv<N>(c0 + i), S0 = loadv<N>(s0 + i), f = loadv<N>(inv_freq + i);
+          const vf sin_pf = S0 * c + C0 * sn, cos_pf = C0 * c - S0 * sn;
+          const vf a = splatv<N>(pf) * f;
+          const vf e = product_error(splatv<N>(pf), f, a);  // p f - a = -d
+          const vf e2 = e * e;
+          const vf cos_d = splatv<N>(1.f) + e2 * (splatv<N>(-0.5f) + e2 * splatv<N>(1.f / 24.f)), sin_d = -(e - e2 * e * splatv<N>(1.f / 6.f));
+          vf sv = sin_pf * cos_d + cos_pf * sin_d, cv = cos_pf * cos_d - sin_pf * sin_d;
+          if (scale != 1.f) sv *= splatv<N>(scale), cv *= splatv<N>(scale);
+          storev<N>(so + i, sv);
+          storev<N>(co + i, cv);
+        }
+      };
+      lanes(std::integral_constant<int, kWide>{});
+      lanes(std::integral_constant<int, 8>{});  // the rest (with kWide 8: nothing)
       for (; i < half; ++i) {  // the same arithmetic, one lane
         const float c = ck[i], sn = sk[i], f = inv_freq[i];
         const float sin_pf = s0[i] * c + c0[i] * sn, cos_pf = c0[i] * c - s0[i] * sn;
@@ -1788,9 +1849,14 @@ void Operand::rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const floa
       constexpr bool CB = decltype(cb_c)::value;
       const float *cr = cos_t + i * half, *sr = sin_t + i * half;
       float* o = out + i * kRow;
-      if (n_out == 0) rope_rows<B, CB, 0>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
-      else if (n_out == 1) rope_rows<B, CB, 1>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
-      else rope_rows<B, CB, 2>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
+      auto rows = [&](auto lanes_c) {
+        constexpr int N = decltype(lanes_c)::value;
+        if (n_out == 0) rope_rows<B, CB, 0, N>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
+        else if (n_out == 1) rope_rows<B, CB, 1, N>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
+        else rope_rows<B, CB, 2, N>(first, end - i, cr, sr, tmp.scale, tmp.zero, out_vals, o);
+      };
+      if (wide_rope<B>()) rows(std::integral_constant<int, kWide>{});
+      else rows(std::integral_constant<int, 8>{});
     });
     i = end;
   }
