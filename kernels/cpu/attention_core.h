@@ -239,6 +239,19 @@ inline v8f fold16(Vec<16>::f v) {
   return lo + hi;
 }
 inline v8f fold16(v8f v) { return v; }  // already 8 lanes
+// The lane-wise max of a 16-lane vector's halves (NaN-free: scores are finite or -inf).
+inline v8f max8(Vec<16>::f v) {
+  v8f lo, hi;
+#if defined(__AVX512F__)  // in registers, as fold16
+  const __m512d x = reinterpret_cast<__m512d>(v);
+  lo = reinterpret_cast<v8f>(_mm512_castpd512_pd256(x)), hi = reinterpret_cast<v8f>(_mm512_extractf64x4_pd(x, 1));
+#else
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+#endif
+  return lo > hi ? lo : hi;
+}
+inline v8f max8(v8f v) { return v; }
 
 // out[r] = sum of the lanes of a[r], r < 8.
 inline void hsum8x8(const v8f* a, float* out) {
@@ -784,10 +797,10 @@ struct Operand {
 #endif
     }
 #if defined(__AVX512F__)
-    if constexpr (N == 16 && (BITS == 4 || (BITS == 2 && !CB))) {
+    if constexpr (N == 16 && (BITS == 4 || BITS == 2)) {
       // vpermps reads only an index's low 4 bits, so the codes of the planes above need no mask:
-      // a 16-entry table (the grid repeated every 2^BITS entries, or the 4-bit codebook) in one step
-      const __m512 table = CB ? _mm512_loadu_ps(levels)
+      // a 16-entry table (the grid or the codebook, repeated every 2^BITS entries) in one step
+      const __m512 table = CB ? (BITS == 4 ? _mm512_loadu_ps(levels) : _mm512_broadcast_f32x4(_mm_loadu_ps(levels)))
                               : _mm512_cvtepi32_ps(_mm512_and_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                                     _mm512_set1_epi32(kMask)));
       return reinterpret_cast<typename Vec<N>::f>(_mm512_permutexvar_ps(reinterpret_cast<__m512i>(word >> (i * BITS)), table));
@@ -1719,8 +1732,15 @@ KVQ_PROFILED inline bool mask_scores(float* scores, int n_heads, int count, cons
     const uint8_t* vis = visible + h * kTile;
     if (softcap > 0.f)
       for (int i = 0; i < count; ++i) sh[i] = softcap * std::tanh(sh[i] * scaling / softcap) / scaling;
-    v8f best8 = splat(kNegInf);
+    typedef Vec<kWide>::f vf;
+    vf best_w = splatv<kWide>(kNegInf);
     int i = 0;
+    for (; i + kWide <= count; i += kWide) {  // 16 lanes on AVX-512
+      const vf s = (bytesv<kWide>(vis + i) != 0) ? loadv<kWide>(sh + i) * splatv<kWide>(scaling) : splatv<kWide>(kNegInf);
+      storev<kWide>(sh + i, s);
+      best_w = best_w > s ? best_w : s;
+    }
+    v8f best8 = max8(best_w);
     for (; i + 8 <= count; i += 8) {
       const v8f s = (bytes8(vis + i) != 0) ? load8(sh + i) * splat(scaling) : splat(kNegInf);
       store8(sh + i, s);
@@ -1870,15 +1890,23 @@ void Operand::token_weights(const float* probs, int count, const Scratch& tmp, f
     const float* sc = tmp.tile_scale + g * kTile;
     const float* zc = tmp.tile_zero + g * kTile;
     float* wg = w + g * group_stride;
-    v8f z = splat(0.f);
+    typedef Vec<kWide>::f vf;
+    vf z = splatv<kWide>(0.f);
     int j = 0;
+    for (; j + kWide <= count; j += kWide) {  // 16 lanes on AVX-512
+      const vf p = loadv<kWide>(probs + j);
+      const auto seen = p != splatv<kWide>(0.f);
+      storev<kWide>(wg + j, seen ? p * loadv<kWide>(sc + j) : splatv<kWide>(0.f));
+      z += seen ? p * loadv<kWide>(zc + j) : splatv<kWide>(0.f);
+    }
+    v8f z8 = fold16(z);
     for (; j + 8 <= count; j += 8) {
       const v8f p = load8(probs + j);
       const v8i seen = p != splat(0.f);
       store8(wg + j, seen ? p * load8(sc + j) : splat(0.f));
-      z += seen ? p * load8(zc + j) : splat(0.f);
+      z8 += seen ? p * load8(zc + j) : splat(0.f);
     }
-    float zs = hsum(z);
+    float zs = hsum(z8);
     for (; j < count; ++j) {
       const float p = probs[j];
       wg[j] = p == 0.f ? 0.f : p * sc[j];
