@@ -239,7 +239,7 @@ inline v8f fold16(Vec<16>::f v) {
   return lo + hi;
 }
 inline v8f fold16(v8f v) { return v; }  // already 8 lanes
-// The lane-wise max of a 16-lane vector's halves (NaN-free: scores are finite or -inf).
+// The lane-wise max of a 16-lane vector's halves, with the select the 8-lane loops use.
 inline v8f max8(Vec<16>::f v) {
   v8f lo, hi;
 #if defined(__AVX512F__)  // in registers, as fold16
@@ -811,7 +811,8 @@ struct Operand {
   }
 
   // Lanes of the fused loops' channel blocks: kWide (16 on AVX-512) where a plane is whole 16-byte
-  // blocks and, for values, a group of channels whole 16-channel blocks; else 8. 16 lanes halve the
+  // blocks, or a pair of 8-byte 3-bit planes (kPlanePairs), and, for values, a group of channels
+  // whole 16-channel blocks; else 8. 16 lanes halve the
   // unpack and FMA instructions per row (the loops are bound by instructions once the rows are
   // prefetched); a value lane still accumulates one channel in the same order, a key score's lanes
   // are summed in another order (a float rounding apart).
@@ -1613,7 +1614,7 @@ struct AngleRuns {
       const float *ck = run_c.data() + k * half, *sk = run_s.data() + k * half;
       float *co = cos_out + k * half, *so = sin_out + k * half;
       int i = 0;
-      auto lanes = [&](auto n_c) {  // N angles a step: 16 where AVX-512 has them (8 lanes: 14% of kvquant-3's time)
+      auto lanes = [&](auto n_c) {  // N angles a step: 16 where AVX-512 has them (at 8 these tables took a seventh of kvquant-3's time)
         constexpr int N = decltype(n_c)::value;
         typedef typename Vec<N>::f vf;
         for (; i + N <= half; i += N) {
