@@ -1174,14 +1174,14 @@ struct Operand {
   template <bool CB, int NH>
   void token_lane_scores(const float* qs, const uint8_t* rows, float* scores) const {
     struct Columns {  // per group k of 4 byte columns: output byte 16 m + t <- row t's byte 4 k + m
-      alignas(64) uint8_t idx[4][64];
-      Columns() {
+      alignas(64) uint8_t idx[4][64] = {};
+      constexpr Columns() {
         for (int k = 0; k < 4; ++k)
           for (int m = 0; m < 4; ++m)
             for (int t = 0; t < 16; ++t) idx[k][16 * m + t] = static_cast<uint8_t>((t % 8 < 4 ? 0 : 64) + 16 * (t % 4) + 4 * k + m);
       }
     };
-    static const Columns columns;
+    static constexpr Columns columns{};  // built at compile time: no guard on the hot path
     const __m512i r0 = _mm512_loadu_si512(rows), r1 = _mm512_loadu_si512(rows + 64);
     const __m512i r2 = _mm512_loadu_si512(rows + 128), r3 = _mm512_loadu_si512(rows + 192);
     __m512 acc[NH][4];  // one sum per head and plane, so no FMA waits on the last
@@ -1787,20 +1787,22 @@ KVQ_PROFILED inline bool mask_scores(float* scores, int n_heads, int count, cons
     const uint8_t* vis = visible + h * kTile;
     if (softcap > 0.f)
       for (int i = 0; i < count; ++i) sh[i] = softcap * std::tanh(sh[i] * scaling / softcap) / scaling;
-    typedef Vec<kWide>::f vf;
-    vf best_w = splatv<kWide>(kNegInf);
+    v8f best8 = splat(kNegInf);
     int i = 0;
-    for (; i + kWide <= count; i += kWide) {  // 16 lanes on AVX-512
-      const vf s = (bytesv<kWide>(vis + i) != 0) ? loadv<kWide>(sh + i) * splatv<kWide>(scaling) : splatv<kWide>(kNegInf);
-      storev<kWide>(sh + i, s);
-      best_w = best_w > s ? best_w : s;
-    }
-    v8f best8 = max8(best_w);
-    for (; i + 8 <= count; i += 8) {
-      const v8f s = (bytes8(vis + i) != 0) ? load8(sh + i) * splat(scaling) : splat(kNegInf);
-      store8(sh + i, s);
-      best8 = best8 > s ? best8 : s;
-    }
+    auto lanes = [&](auto n_c) {  // N scores a step: kWide (16 on AVX-512), then 8
+      constexpr int N = decltype(n_c)::value;
+      typedef typename Vec<N>::f vf;
+      vf best = splatv<N>(kNegInf);
+      for (; i + N <= count; i += N) {
+        const vf s = (bytesv<N>(vis + i) != 0) ? loadv<N>(sh + i) * splatv<N>(scaling) : splatv<N>(kNegInf);
+        storev<N>(sh + i, s);
+        best = best > s ? best : s;
+      }
+      const v8f b8 = max8(best);
+      best8 = best8 > b8 ? best8 : b8;
+    };
+    lanes(std::integral_constant<int, kWide>{});
+    lanes(std::integral_constant<int, 8>{});
     v8f m4 = __builtin_shufflevector(best8, best8, 4, 5, 6, 7, 0, 1, 2, 3);
     best8 = best8 > m4 ? best8 : m4;
     m4 = __builtin_shufflevector(best8, best8, 2, 3, 0, 1, 6, 7, 4, 5);
@@ -1945,22 +1947,22 @@ void Operand::token_weights(const float* probs, int count, const Scratch& tmp, f
     const float* sc = tmp.tile_scale + g * kTile;
     const float* zc = tmp.tile_zero + g * kTile;
     float* wg = w + g * group_stride;
-    typedef Vec<kWide>::f vf;
-    vf z = splatv<kWide>(0.f);
+    v8f z8 = splat(0.f);
     int j = 0;
-    for (; j + kWide <= count; j += kWide) {  // 16 lanes on AVX-512
-      const vf p = loadv<kWide>(probs + j);
-      const auto seen = p != splatv<kWide>(0.f);
-      storev<kWide>(wg + j, seen ? p * loadv<kWide>(sc + j) : splatv<kWide>(0.f));
-      z += seen ? p * loadv<kWide>(zc + j) : splatv<kWide>(0.f);
-    }
-    v8f z8 = fold16(z);
-    for (; j + 8 <= count; j += 8) {
-      const v8f p = load8(probs + j);
-      const v8i seen = p != splat(0.f);
-      store8(wg + j, seen ? p * load8(sc + j) : splat(0.f));
-      z8 += seen ? p * load8(zc + j) : splat(0.f);
-    }
+    auto lanes = [&](auto n_c) {  // N tokens a step: kWide (16 on AVX-512), then 8
+      constexpr int N = decltype(n_c)::value;
+      typedef typename Vec<N>::f vf;
+      vf z = splatv<N>(0.f);
+      for (; j + N <= count; j += N) {
+        const vf p = loadv<N>(probs + j);
+        const auto seen = p != splatv<N>(0.f);
+        storev<N>(wg + j, seen ? p * loadv<N>(sc + j) : splatv<N>(0.f));
+        z += seen ? p * loadv<N>(zc + j) : splatv<N>(0.f);
+      }
+      z8 += fold16(z);
+    };
+    lanes(std::integral_constant<int, kWide>{});
+    lanes(std::integral_constant<int, 8>{});
     float zs = hsum(z8);
     for (; j < count; ++j) {
       const float p = probs[j];
