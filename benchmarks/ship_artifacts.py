@@ -2,6 +2,7 @@
 
     python benchmarks/ship_artifacts.py                 # calibrations + the demo's tuned config (~6 min, 2 cores)
     python benchmarks/ship_artifacts.py --profile       # also re-profile the layers for KVTuner (~8 min more)
+    python benchmarks/ship_artifacts.py --presets rot-k3v2-recall   # only these presets' calibrations, no tuning
 
 Everything is computed here from the model and pydoc calibration text with exactly what `kvq
 calibrate` and `kvq demo` would run in an empty user cache (no shipped file is read, except the
@@ -35,12 +36,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="store_true", help="re-profile the layers too (else the shipped profile is kept)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--presets", help="comma-separated presets: calibrate only these (the tuned config is left as it is)")
     args = ap.parse_args()
+    names = args.presets.split(",") if args.presets else KVQuantConfig.preset_names()
     model, tokenizer = smollm2(args.threads)
     key = model_key(model)
 
     t0 = time.perf_counter()
-    presets = [KVQuantConfig.preset(n) for n in KVQuantConfig.preset_names() if KVQuantConfig.preset(n).needs_calibration]
+    presets = [KVQuantConfig.preset(n) for n in names if KVQuantConfig.preset(n).needs_calibration]
     windows = calibration_windows(tokenizer)
     for pre_rope in sorted({c.pre_rope_keys for c in presets}):
         activations = collect(model, windows, pre_rope)
@@ -48,6 +51,8 @@ def main() -> None:
             path = calibrate(model, None, config, activations=activations).save(SHIPPED / "calibration" / key / f"{config.name}.json")
             print(f"wrote {path.relative_to(SHIPPED.parent.parent)}", flush=True)
     print(f"calibrations: {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.presets:
+        return
 
     t0 = time.perf_counter()
     ids = text_windows(tokenizer, pydoc_text("calib"), 2, 512)  # kvq tune's defaults, as kvq demo runs it

@@ -215,7 +215,12 @@ def cmd_presets(args) -> int:
             return f"{s.bits}-bit {s.axis} {grouping}{extra}"
 
         rope = " (pre-RoPE keys)" if cfg.pre_rope_keys else ""
-        table.add_row(name + rope, fmt(k), fmt(v), str(cfg.sink_tokens), str(cfg.residual_length),
+        keys, values = fmt(k), fmt(v)
+        for span in cfg.depth_spans:  # per-layer specs by depth: say where they differ from the default
+            where = f"; layers at depth [{span.start:g}, {span.end:g}): "
+            keys += where + fmt(span.layer.key) if span.layer.key != k else ""
+            values += where + fmt(span.layer.value) if span.layer.value != v else ""
+        table.add_row(name + rope, keys, values, str(cfg.sink_tokens), str(cfg.residual_length),
                       f"{rep.bits_per_element:.2f}", f"{rep.bytes_per_token:.0f}")  # fmt: skip
     Console(width=max(Console().width, 120)).print(table)
     return 0

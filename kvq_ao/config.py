@@ -273,11 +273,46 @@ class LayerKV:
 
 
 @dataclass(frozen=True)
+class DepthSpan:
+    """The layers whose centre, as a fraction of the model's depth, lies in [start, end) take `layer`
+    (`KVQuantConfig.depth_spans`). With 30 layers, [0, 0.26) holds layers 0-7 and [0.5, 0.76) 15-22."""
+
+    start: float
+    end: float
+    layer: LayerKV
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"depth span {name} must be a fraction of the model's depth in [0, 1], got {v!r}")
+        if self.start >= self.end:
+            raise ValueError(f"depth span start ({self.start}) must be below its end ({self.end})")
+        if not isinstance(self.layer, LayerKV):
+            raise TypeError(f"depth span layer must be a LayerKV, got {type(self.layer).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "layer": self.layer.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DepthSpan:
+        _check_keys(d, {"start", "end", "layer"}, "depth span")
+        missing = {"start", "end", "layer"} - set(d)
+        if missing:
+            raise ValueError(f"depth span needs {sorted(missing)}")
+        return cls(d["start"], d["end"], LayerKV.from_dict(d["layer"]))
+
+
+@dataclass(frozen=True)
 class KVQuantConfig(AOBaseConfig):
     """A whole KV-cache quantization recipe.
 
     default: the `LayerKV` of every layer not listed in `layers`.
     layers: optional per-layer specs, one per model layer (KVTuner's mixed precision).
+    depth_spans: optional `DepthSpan`s, per-layer specs for any layer count: a layer whose centre
+        (index + 0.5) / layers falls in a span takes the span's spec (the first span that holds it)
+        instead of `default`. For presets that widen the layers doing a job (retrieval lives in a
+        few layers' keys) without naming one model's layer indices. Not with `layers`.
     sink_tokens: the first tokens kept in full precision (attention sinks).
     residual_length: the most recent tokens kept in full precision (KIVI's residual). Tokens
         become quantized in blocks once they fall behind this window.
@@ -293,6 +328,7 @@ class KVQuantConfig(AOBaseConfig):
 
     default: LayerKV = field(default_factory=LayerKV)
     layers: tuple[LayerKV, ...] = ()
+    depth_spans: tuple[DepthSpan, ...] = ()
     sink_tokens: int = 0
     residual_length: int = 0
     scale_dtype: str = "float16"
@@ -309,6 +345,12 @@ class KVQuantConfig(AOBaseConfig):
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerKV):
                 raise TypeError(f"layers[{i}] must be a LayerKV, got {type(layer).__name__}")
+        object.__setattr__(self, "depth_spans", tuple(self.depth_spans))
+        for i, span in enumerate(self.depth_spans):
+            if not isinstance(span, DepthSpan):
+                raise TypeError(f"depth_spans[{i}] must be a DepthSpan, got {type(span).__name__}")
+        if self.layers and self.depth_spans:
+            raise ValueError("give per-layer specs either as `layers` (one per model layer) or as `depth_spans`, not both")
         for name in ("sink_tokens", "residual_length"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -323,7 +365,7 @@ class KVQuantConfig(AOBaseConfig):
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.version != CONFIG_VERSION:
             raise ValueError(f"unsupported config version {self.version!r}; this kvq_ao reads version {CONFIG_VERSION}")
-        for i, layer in enumerate(self.layers or (self.default,)):
+        for i, layer in enumerate(self.layers or (self.default, *(span.layer for span in self.depth_spans))):
             if layer.value.scores != "float":
                 raise ValueError(f"layer {i}: scores {layer.value.scores!r} is for keys (values are weighted by the softmax, not scored)")
             if self.pre_rope_keys and layer.key.scores != "float" and layer.key.is_quantized:
@@ -341,19 +383,24 @@ class KVQuantConfig(AOBaseConfig):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(s.needs_calibration for layer in (self.default, *self.layers) for s in (layer.key, layer.value))
+        layers = (self.default, *self.layers, *(span.layer for span in self.depth_spans))
+        return any(s.needs_calibration for layer in layers for s in (layer.key, layer.value))
 
     # ----------------------------------------------------------------- per-layer view
-    def layer(self, index: int) -> LayerKV:
-        return self.layers[index] if self.layers else self.default
-
     def resolve(self, num_layers: int) -> tuple[LayerKV, ...]:
         """One LayerKV per model layer; a per-layer config must match the model's layer count."""
         if self.layers and len(self.layers) != num_layers:
             raise ValueError(
                 f"config {self.name!r} has {len(self.layers)} layer specs but the model has {num_layers} layers"
             )
-        return self.layers if self.layers else (self.default,) * num_layers
+        if self.layers:
+            return self.layers
+
+        def spec(i: int) -> LayerKV:
+            centre = (i + 0.5) / num_layers
+            return next((span.layer for span in self.depth_spans if span.start <= centre < span.end), self.default)
+
+        return tuple(spec(i) for i in range(num_layers))
 
     def with_layers(self, layers: list[LayerKV] | tuple[LayerKV, ...], name: str | None = None) -> KVQuantConfig:
         return dataclasses.replace(self, layers=tuple(layers), name=name or self.name)
@@ -382,6 +429,7 @@ class KVQuantConfig(AOBaseConfig):
             **({"side_dtype": self.side_dtype} if self.side_dtype != "model" else {}),
             "default": self.default.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
+            **({"depth_spans": [span.to_dict() for span in self.depth_spans]} if self.depth_spans else {}),
         }
 
     @classmethod
@@ -389,13 +437,15 @@ class KVQuantConfig(AOBaseConfig):
         if not isinstance(d, dict) or "kvq_ao_config" not in d:
             raise ValueError("not a kvq_ao config: expected a JSON object with a 'kvq_ao_config' version field")
         _check_keys(d, {"kvq_ao_config", "name", "sink_tokens", "residual_length", "scale_dtype", "default", "layers",
-                        "pre_rope_keys", "calibration", "side_dtype"}, "config")  # fmt: skip
-        layers = d.get("layers", [])
-        if not isinstance(layers, list):
-            raise ValueError(f"config 'layers' must be a list, got {type(layers).__name__}")
+                        "pre_rope_keys", "calibration", "side_dtype", "depth_spans"}, "config")  # fmt: skip
+        layers, spans = d.get("layers", []), d.get("depth_spans", [])
+        for what, v in (("layers", layers), ("depth_spans", spans)):
+            if not isinstance(v, list):
+                raise ValueError(f"config {what!r} must be a list, got {type(v).__name__}")
         return cls(
             default=LayerKV.from_dict(d.get("default", {})),
             layers=tuple(LayerKV.from_dict(x) for x in layers),
+            depth_spans=tuple(DepthSpan.from_dict(x) for x in spans),
             sink_tokens=d.get("sink_tokens", 0),
             residual_length=d.get("residual_length", 0),
             scale_dtype=d.get("scale_dtype", "float16"),
@@ -519,6 +569,22 @@ def _rotated(key_bits: int, value_bits: int) -> KVQuantConfig:
                          side_dtype="float16", calibration="auto", name=f"rot-k{key_bits}v{value_bits}")  # fmt: skip
 
 
+# Where retrieval lives (docs/rotation.md, "Which layers' keys retrieve"; passkey on development
+# prompts): full-precision keys in SmolLM2's layers 0-7 bring back the needle at the start of the
+# prompt, in layers 15-22 the one in the middle; no other layers' do. As fractions of depth, so the
+# spans name layers of any model, not one model's indices.
+RETRIEVAL_SPANS: tuple[tuple[float, float], ...] = ((0.0, 0.26), (0.5, 0.76))
+
+
+def _rotated_recall(key_bits: int, value_bits: int, wide_key_bits: int, window: int) -> KVQuantConfig:
+    """`_rotated` with `wide_key_bits` keys in the layers that retrieve (RETRIEVAL_SPANS), paid for
+    with a shorter full-precision window."""
+    base = _rotated(key_bits, value_bits)
+    wide = LayerKV(dataclasses.replace(base.default.key, bits=wide_key_bits), base.default.value)
+    return dataclasses.replace(base, depth_spans=tuple(DepthSpan(a, b, wide) for a, b in RETRIEVAL_SPANS),
+                               residual_length=window, name=f"rot-k{key_bits}v{value_bits}-recall")  # fmt: skip
+
+
 def _kvquant_rotated_values(bits: int) -> KVQuantConfig:
     """KVQuant's keys without outlier slots (pre-RoPE, calibrated ranges and levels) with values
     rotated and coded against calibrated per-channel ranges (no per-vector metadata either), so a
@@ -554,8 +620,10 @@ PRESETS: dict[str, KVQuantConfig] = {
     **{f"kvquant-{b}-1pct": _kvquant(b, 0.01) for b in (4, 3, 2)},
     "rot-k4v3": _rotated(4, 3),
     "rot-k3v2": _rotated(3, 2),
+    # rot-k3v2 that keeps passkeys: 4-bit keys in the retrieving layers, a 48-token window (3.46 bits)
+    "rot-k3v2-recall": _rotated_recall(3, 2, 4, 48),
     "kvquant-2-rotv": _kvquant_rotated_values(2),
 }
 
 
-__all__ = ["KVQuantConfig", "LayerKV", "QuantSpec", "AXES", "DATATYPES", "OUTLIER_RULES", "RANGES", "SCALE_DTYPES"]
+__all__ = ["KVQuantConfig", "LayerKV", "QuantSpec", "DepthSpan", "AXES", "DATATYPES", "OUTLIER_RULES", "RANGES", "SCALE_DTYPES"]

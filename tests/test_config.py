@@ -145,3 +145,37 @@ def test_int8_key_scores_round_trip_label_and_are_checked():
         KVQuantConfig(default=LayerKV(spec, QuantSpec(4, "token", 32)), pre_rope_keys=True)
     with pytest.raises(ValueError, match="for keys"):
         KVQuantConfig(default=LayerKV(spec, spec))
+
+
+def test_depth_spans_pick_layers_by_their_centre_for_any_layer_count(tmp_path):
+    """A span holds the layers whose centre (i + 0.5) / n lies in [start, end): layers 0-7 and 15-22
+    of 30, proportionally fewer of 8, none left out or doubled at the edges; the first span wins."""
+    from kvq_ao.config import DepthSpan
+
+    wide = LayerKV(QuantSpec(4, "token", 64), QuantSpec(2, "token", 64))
+    fp = LayerKV(QuantSpec(None), QuantSpec(None))
+    cfg = KVQuantConfig(default=LayerKV(QuantSpec(3, "token", 64), QuantSpec(2, "token", 64)),
+                        depth_spans=(DepthSpan(0, 0.26, wide), DepthSpan(0.5, 0.76, wide), DepthSpan(0.5, 1, fp)))
+    picked = lambda n: [i for i, layer in enumerate(cfg.resolve(n)) if layer == wide]  # noqa: E731
+    assert picked(30) == [*range(0, 8), *range(15, 23)]
+    assert [i for i, layer in enumerate(cfg.resolve(30)) if layer == fp] == list(range(23, 30))
+    assert picked(8) == [0, 1, 4, 5]  # centres 0.0625, 0.1875 | 0.5625, 0.6875
+    assert picked(1) == [0]  # one layer, centre 0.5: in the fp span too, but the wide span comes first
+    cfg.save(tmp_path / "s.json")
+    assert KVQuantConfig.load(tmp_path / "s.json") == cfg
+
+
+def test_depth_spans_reject_bad_input():
+    from kvq_ao.config import DepthSpan
+
+    kv = LayerKV()
+    with pytest.raises(ValueError, match=r"start \(0.5\) must be below its end \(0.5\)"):
+        DepthSpan(0.5, 0.5, kv)
+    with pytest.raises(ValueError, match=r"end must be a fraction of the model's depth in \[0, 1\], got 1.5"):
+        DepthSpan(0, 1.5, kv)
+    with pytest.raises(ValueError, match="not both"):
+        KVQuantConfig(layers=(kv,), depth_spans=(DepthSpan(0, 1, kv),))
+    bad = KVQuantConfig(depth_spans=(DepthSpan(0, 1, kv),)).to_dict()
+    bad["depth_spans"][0].pop("end")
+    with pytest.raises(ValueError, match=r"depth span needs \['end'\]"):
+        KVQuantConfig.from_dict(bad)

@@ -169,7 +169,7 @@ def test_a_rotated_cache_exports_to_executorch_and_onnx_and_matches_eager(tmp_pa
         assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
 
 
-@pytest.mark.parametrize("name,budget", [("rot-k4v3", 4.5), ("rot-k3v2", 3.5), ("kvquant-2-rotv", 2.5)])
+@pytest.mark.parametrize("name,budget", [("rot-k4v3", 4.5), ("rot-k3v2", 3.5), ("rot-k3v2-recall", 3.5), ("kvquant-2-rotv", 2.5)])
 def test_rotated_presets_fit_their_budget_and_generate_once_calibrated(name, budget, tmp_path):
     """Each rotated preset stays within the bits per element it was chosen for (SmolLM2's shape,
     4096 tokens, everything counted), stores what it says, and runs once calibrated."""
@@ -190,3 +190,16 @@ def test_rotated_presets_fit_their_budget_and_generate_once_calibrated(name, bud
     assert int(layer.body_end) > 0  # tokens went past the 112-token window into rotated codes
     k, v = layer.keys_values()
     assert v.rotated and k.rotated == (not cfg.pre_rope_keys)
+
+
+def test_rot_k3v2_recall_is_the_per_layer_config_its_measurements_ran():
+    """docs/rotation.md measured the per-layer config file (4-bit keys listed for layers 0-7 and
+    15-22 of SmolLM2's 30); the preset says the same with depth spans, so it must resolve to those
+    layers and keep everything else, and widen no layer of a model without them."""
+    measured = KVQuantConfig.load("benchmarks/configs/passkey/rot-k3v2-4-bit-keys-layers-0-7-15-22.json")
+    preset = KVQuantConfig.preset("rot-k3v2-recall")
+    assert preset.resolve(30) == measured.layers
+    assert [i for i, kv in enumerate(preset.resolve(30)) if kv.key.bits == 4] == [*range(0, 8), *range(15, 23)]
+    same = lambda c: dataclasses.replace(c, layers=(), depth_spans=(), name="")  # noqa: E731
+    assert same(preset) == same(measured)
+    assert preset.default == KVQuantConfig.preset("rot-k3v2").default and preset.residual_length == 48
