@@ -365,19 +365,21 @@ class KVQuantConfig(AOBaseConfig):
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.version != CONFIG_VERSION:
             raise ValueError(f"unsupported config version {self.version!r}; this kvq_ao reads version {CONFIG_VERSION}")
-        for i, layer in enumerate(self.layers or (self.default, *(span.layer for span in self.depth_spans))):
+        specs = [(f"layer {i}", layer) for i, layer in enumerate(self.layers or (self.default,))]
+        specs += [(f"depth span {j}", span.layer) for j, span in enumerate(self.depth_spans)]
+        for where, layer in specs:
             if layer.value.scores != "float":
-                raise ValueError(f"layer {i}: scores {layer.value.scores!r} is for keys (values are weighted by the softmax, not scored)")
+                raise ValueError(f"{where}: scores {layer.value.scores!r} is for keys (values are weighted by the softmax, not scored)")
             if self.pre_rope_keys and layer.key.scores != "float" and layer.key.is_quantized:
-                raise ValueError(f"layer {i}: {layer.key.scores} key scores need pre_rope_keys false: pre-RoPE keys are rotated per "
+                raise ValueError(f"{where}: {layer.key.scores} key scores need pre_rope_keys false: pre-RoPE keys are rotated per "
                                  "position after dequantization, so their codes cannot be dotted with one query")  # fmt: skip
             if self.pre_rope_keys and layer.key.rotation != "none" and layer.key.is_quantized:
-                raise ValueError(f"layer {i}: rotated keys need pre_rope_keys false: RoPE turns channel pairs by "
+                raise ValueError(f"{where}: rotated keys need pre_rope_keys false: RoPE turns channel pairs by "
                                  "position-dependent angles, which a rotation of head_dim does not commute with")  # fmt: skip
             block = layer.token_block
             if block > 1 and self.sink_tokens >= block:
                 raise ValueError(
-                    f"layer {i}: sink_tokens ({self.sink_tokens}) must be smaller than the per-channel "
+                    f"{where}: sink_tokens ({self.sink_tokens}) must be smaller than the per-channel "
                     f"token group ({block}) so sink tokens can be left out of the group's range"
                 )
 

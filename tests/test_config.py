@@ -179,3 +179,11 @@ def test_depth_spans_reject_bad_input():
     bad["depth_spans"][0].pop("end")
     with pytest.raises(ValueError, match=r"depth span needs \['end'\]"):
         KVQuantConfig.from_dict(bad)
+
+
+def test_a_depth_spans_spec_is_checked_as_a_layer_is_and_named_by_its_span():
+    from kvq_ao.config import DepthSpan
+
+    rotated_keys = LayerKV(QuantSpec(4, "token", 64, rotation="hadamard"), QuantSpec(4))
+    with pytest.raises(ValueError, match=r"depth span 1: rotated keys need pre_rope_keys false"):
+        KVQuantConfig(pre_rope_keys=True, depth_spans=(DepthSpan(0, 0.5, LayerKV()), DepthSpan(0.5, 1, rotated_keys)))
