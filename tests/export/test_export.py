@@ -130,6 +130,7 @@ def _assert_same_cache(cfg, ours: dict, past: dict) -> bool:
     """Check onnxruntime's stored cache against eager's (see the test above); True when every code,
     scale, zero and outlier index is identical, False when a code legitimately moved one level."""
     identical = True
+    specs = cfg.resolve(len({name.split("_")[0] for name in ours}))  # names are layer<i>_<k|v>_<field>
     for name, t in ours.items():
         got = torch.from_numpy(past[name])
         if name.endswith("_out_idx"):
@@ -137,7 +138,7 @@ def _assert_same_cache(cfg, ours: dict, past: dict) -> bool:
         if name.endswith("_codes"):
             prefix = name.removesuffix("codes")
             theirs = {m: torch.from_numpy(past[prefix + m]) for m in ("scale", "zero")}
-            _assert_codes_agree(cfg, name, got, t, theirs, {m: ours[prefix + m] for m in ("scale", "zero")})
+            _assert_codes_agree(specs, name, got, t, theirs, {m: ours[prefix + m] for m in ("scale", "zero")})
         # Float16 metadata of inputs that differ by float rounding (pre-RoPE keys pass through
         # cos/sin, the GEMMs sum in another order): a group minimum near a float16 value can round
         # down on one side and not the other, and the step down is one or two ulps (`_step`), so
@@ -151,14 +152,14 @@ def _assert_same_cache(cfg, ours: dict, past: dict) -> bool:
     return identical
 
 
-def _assert_codes_agree(cfg, name: str, got: torch.Tensor, want: torch.Tensor, got_meta: dict, want_meta: dict) -> None:
+def _assert_codes_agree(specs, name: str, got: torch.Tensor, want: torch.Tensor, got_meta: dict, want_meta: dict) -> None:
     """Stored codes identical in every group whose float16 scale and zero are identical; in a group
     whose metadata differ by their allowed ulp or two (below), a code near a level boundary may
     move to the neighbouring level, never further."""
     from kvq_ao.quant.packing import unpack_float
 
     layer, kind = int(name.split("_")[0].removeprefix("layer")), name.split("_")[1]
-    spec = getattr(cfg.layer(layer), {"k": "key", "v": "value"}[kind])
+    spec = getattr(specs[layer], {"k": "key", "v": "value"}[kind])
     if not spec.is_quantized:
         assert torch.equal(got, want), name
         return
