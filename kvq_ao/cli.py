@@ -21,6 +21,7 @@ from kvq_ao.config import SIDE_DTYPES
 from kvq_ao.demo import DEFAULT_BUDGET, DEFAULT_CONFIGS
 from kvq_ao.export import EXECUTORCH_BACKENDS, KVQ_KERNELS
 from kvq_ao.models import CALIBRATION_SAMPLES, CALIBRATION_SEQ_LEN
+from kvq_ao.tuning.profile import TUNE_DTYPES
 
 
 def _add_model_only_args(p: argparse.ArgumentParser) -> None:
@@ -330,10 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--residual", type=int, default=128, help="full-precision window shared by all layers (KIVI's)")
     p.add_argument("--group", type=int, default=32, help="quantization group size")
-    p.add_argument("--dtype", choices=["int", "nf", "kvquant"], default="int",
+    p.add_argument("--dtype", choices=list(TUNE_DTYPES), default="int",
                    help="datatype of the 2- and 4-bit candidates (nf: KVQuant's NormalFloat levels; 8-bit ones stay int); "
                         "kvquant: the kvquant-B-1pct presets' datatypes and layout at every width (calibrated levels, "
-                        "key ranges and outliers; each width calibrated once; --residual/--group/--pre-rope unused)")
+                        "key ranges and outliers; each width calibrated once; --residual/--group/--pre-rope unused); "
+                        "rot: the rotated presets' (rot-k4v3's layout: rotated per-vector keys and values, calibrated levels, "
+                        "1-token sink, 112-token float16 window; the same arguments unused)")
     p.add_argument("--pre-rope", action="store_true", help="store keys before RoPE (KVQuant), rotated inside attention")
     p.add_argument("--side-dtype", choices=SIDE_DTYPES, default="model",
                    help="dtype of the full-precision window (16 bits halves its memory in a float32 model)")

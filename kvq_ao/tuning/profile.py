@@ -29,7 +29,7 @@ from kvq_ao.tuning.pareto import CANDIDATES, Pair, check_pair
 PROFILE_VERSION = 2  # 2: the content's sha256 is recorded and checked
 
 
-TUNE_DTYPES = ("int", "nf", "kvquant")
+TUNE_DTYPES = ("int", "nf", "kvquant", "rot")
 
 
 def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: int = 32, dtype: str = "int",
@@ -40,6 +40,9 @@ def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: in
     dtype "kvquant" tunes over KVQuant's datatypes instead: the layout of the kvquant-B-1pct presets
     (calibrated nuq levels, calibrated key ranges, 1% outliers in float16, pre-RoPE keys, their sink
     and window, which replace the arguments), each width calibrated once (`WidthCalibrations`).
+    dtype "rot" tunes over the rotated presets' datatypes (`rot-k4v3`'s layout: post-RoPE keys and
+    values rotated per vector with calibrated nuq levels, one float16 sink token and a 112-token float16
+    window), calibrated the same way; 8-bit candidates are uniform, still rotated.
 
     side_dtype holds the window in 16 bits ("float16"/"bfloat16"; `KVQuantConfig.side_dtype`), so a
     tuned int config reaches the effective bits of the compact kvquant presets."""
@@ -53,6 +56,10 @@ def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: in
         # was made (the 3/4-bit presets hold uniform key levels inside the same calibrated ranges).
         key = dataclasses.replace(preset.default.key, dtype="nuq")
         return dataclasses.replace(preset, default=LayerKV(key, preset.default.value), name="tune-base-kvquant", calibration=None)
+    if dtype == "rot":
+        if side_dtype != "model":
+            raise ValueError("side_dtype: the rot base keeps its presets' float16 side store; leave it at 'model'")
+        return dataclasses.replace(KVQuantConfig.preset("rot-k4v3"), name="tune-base-rot", calibration=None)
     bits = 8 if dtype == "int" else 4  # never used (each layer gets its pair); codebooks stop at 4 bits
     return KVQuantConfig(residual_length=residual_length, sink_tokens=sink_tokens, pre_rope_keys=pre_rope_keys, side_dtype=side_dtype,
                          default=LayerKV(QuantSpec(bits, "channel", group_size, dtype), QuantSpec(bits, "token", group_size, dtype)),

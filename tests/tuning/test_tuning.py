@@ -256,3 +256,47 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
     quantize_kv_(model, cfg)
     with torch.no_grad():
         model(ids, cache=make_cache(model, cfg))
+
+
+def test_tune_over_rotated_datatypes_keeps_the_rotated_layout(tmp_path):
+    """`base_config(dtype="rot")`: the rotated presets' layout (keys and values rotated per vector,
+    post-RoPE, calibrated nuq levels up to 4 bits, uniform at 8) at every width, each width calibrated
+    once; the tuned config runs through the cache, and its assembled calibration is what calibrating
+    it directly fits."""
+    import torch
+
+    from conftest import tiny_llama
+    from kvq_ao import make_cache, quantize_kv_
+    from kvq_ao.calibration import Calibration, calibrate
+    from kvq_ao.config import KVQuantConfig
+    from kvq_ao.tuning.profile import base_config, layer_spec
+    from kvq_ao.tuning.tuner import tune
+
+    preset = KVQuantConfig.preset("rot-k4v3")
+    base = base_config(dtype="rot")
+    assert (base.sink_tokens, base.residual_length, base.side_dtype, base.pre_rope_keys) == (1, 112, "float16", False)
+    for pair, dtypes in (((3, 2), ("nuq", "nuq")), ((8, 4), ("int", "nuq"))):
+        spec = layer_spec(pair, base)
+        for s, bits, dtype, like in zip((spec.key, spec.value), pair, dtypes, (preset.default.key, preset.default.value)):
+            assert (s.bits, s.dtype) == (bits, dtype)
+            assert (s.axis, s.group_size, s.rotation) == (like.axis, like.group_size, "hadamard")
+    with pytest.raises(ValueError, match="side_dtype"):
+        base_config(dtype="rot", side_dtype="float16")
+    base = dataclasses.replace(base, residual_length=8)  # tiny inputs: a short window
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
+    calib_ids = torch.randint(3, 128, (3, 64), generator=torch.Generator().manual_seed(2))
+    result = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, progress=False, log=lambda _m: None,
+                  calibration_ids=calib_ids, calibration_folder=tmp_path, widths=(2, 3, 4))  # fmt: skip
+    cfg = result.config
+    assert result.chosen.avg_bits <= 3.0
+    assert {s.rotation for layer in cfg.layers for s in (layer.key, layer.value)} == {"hadamard"}
+    assembled = Calibration.load(cfg.calibration)
+    direct = calibrate(model, calib_ids, cfg, progress=False)
+    assert assembled.tensors.keys() == direct.tensors.keys() and direct.tensors
+    for name, t in direct.tensors.items():
+        torch.testing.assert_close(assembled.tensors[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    assert (result.profile.kl[:, result.profile.column((2, 2))] > result.profile.kl[:, result.profile.column((4, 4))]).all()
+    quantize_kv_(model, cfg)
+    with torch.no_grad():
+        model(ids, cache=make_cache(model, cfg))
