@@ -26,9 +26,23 @@ Rule (as experiments/rotation.py, fixed before any row was seen): per budget, th
 development KL to the fp model.
 
     python experiments/lean_metadata.py [--budgets 4.5,3.5,2.5] [--windows 8]
+
+`--held-out` then evaluates, once, each budget's chosen candidate (read from the development rows)
+on the 48 held-out windows that issue 47's acceptance names (pydoc's evaluation half, 48 x 1025
+tokens), calibrated as on development text: no choice is made on these rows.
+
+    python experiments/lean_metadata.py --held-out   # -> results/rotation/lean_metadata_48windows.json
+
+`--scale-spans` measures what a stored 8-bit scale code must cover: per layer and kind, the
+smallest and largest per-vector range (max - min of a rotated vector, post-RoPE keys and values, the
+sink token left out) over the calibration samples, in octaves. A 256-code window of 16 steps an
+octave spans 16 octaves above its base.
+
+    python experiments/lean_metadata.py --scale-spans  # -> results/rotation/lean_metadata_scale_spans.json
 """
 
 import argparse
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -115,13 +129,97 @@ def fitted(budget: float, family: str, kb: int, vb: int):
     return None
 
 
+def held_out(dev_out: str, out: str, budgets: list[float], windows: int, threads: int) -> None:
+    """Each budget's development choice (lowest KL), calibrated under the 8-bit emulation, on the
+    held-out windows; rows merged into `out` as they finish."""
+    import json
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from common import eval_windows, save_json, stamp
+
+    from kvq_ao.calibration import calibrate, collect
+    from kvq_ao.eval import evaluate
+    from kvq_ao.models import calibration_windows, load_model
+
+    dev_rows = load_dev_rows(dev_out)
+    torch.set_num_threads(threads)
+    model, tok = load_model("smollm2")
+    calib_ids, ids = calibration_windows(tok), eval_windows(tok, windows, 1025)
+    saved = json.loads(Path(out).read_text())["rows"] if Path(out).exists() else []
+    for b in budgets:
+        chosen = min((r for r in dev_rows if r["budget"] == b), key=lambda r: r["kl"])
+        cfg = candidate(chosen["family"], chosen["key_bits"], chosen["value_bits"], chosen["fp_window"])
+        label = f"{cfg.name} 8-bit metadata"
+        if any(r["label"] == label for r in saved):
+            continue
+        use_lean_metadata(True)
+        t0 = time.perf_counter()
+        path = calibrate(model, None, cfg, activations=collect(model, calib_ids, pre_rope=cfg.pre_rope_keys), progress=False).save(
+            Path("/tmp/kvq-lean-metadata") / f"{label.replace(' ', '-')}-held-out.json")  # fmt: skip
+        r = evaluate(model, ids, dataclasses.replace(cfg, calibration=str(path)))
+        use_lean_metadata(False)
+        row = dict(label=label, budget=b, dev_kl=chosen["kl"], **r.as_dict(), bits_lean=bits_at_4096(cfg, True),
+                   seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+        print(json.dumps(row), flush=True)
+        saved.append(row)
+        save_json(Path(out), stamp(threads=threads, text="pydoc evaluation half, held out", rows=saved))
+    print(f"\nheld-out, {windows} windows ({out})")
+    print("| budget | config | ΔPPL vs fp | 95% interval | KL | bits @4096 (8-bit metadata) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in saved:
+        lo, hi = r["ppl_ratio_ci95"]
+        print(f"| {r['budget']} | {r['label']} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {100 * (lo - 1):+.2f} .. {100 * (hi - 1):+.2f} | "
+              f"{r['kl']:.4f} | {r['bits_lean']:.2f} |")  # fmt: skip
+
+
+def scale_spans(out: str, threads: int) -> None:
+    """Per layer and kind: log2 of the smallest and largest per-vector range of the rotated
+    calibration activations (the sink token, kept in float, left out), and the octaves between."""
+    import json
+
+    from kvq_ao.calibration import collect
+    from kvq_ao.models import calibration_windows, load_model
+    from kvq_ao.quant.rotation import rotation_matrix
+
+    torch.set_num_threads(threads)
+    model, tok = load_model("smollm2")
+    acts = collect(model, calibration_windows(tok), pre_rope=False)
+    rows = []
+    for kind in ("key", "value"):
+        for layer, x in enumerate(acts.of(kind)[0]):  # [S, H, T, D]
+            y = x[:, :, 1:, :].double() @ rotation_matrix(x.shape[-1]).double()
+            span = (y.amax(-1) - y.amin(-1)).flatten()
+            lo, hi = float(torch.log2(span.min())), float(torch.log2(span.max()))
+            rows.append(dict(kind=kind, layer=layer, log2_min_range=round(lo, 3), log2_max_range=round(hi, 3), octaves=round(hi - lo, 3)))
+    worst = max(rows, key=lambda r: r["octaves"])
+    payload = dict(text="calibration samples (16 x 512 tokens), post-RoPE keys and values, rotated, sink left out", rows=rows,
+                   widest=worst, log2_min_over_all=min(r["log2_min_range"] for r in rows), log2_max_over_all=max(r["log2_max_range"] for r in rows))  # fmt: skip
+    Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+    for r in rows:
+        print(f"{r['kind']:5} layer {r['layer']:2}: range 2^{r['log2_min_range']:+.2f} .. 2^{r['log2_max_range']:+.2f} ({r['octaves']:.2f} octaves)")
+    print(f"widest: {worst['kind']} layer {worst['layer']}, {worst['octaves']:.2f} octaves; over all layers 2^{payload['log2_min_over_all']:+.2f} .. "
+          f"2^{payload['log2_max_over_all']:+.2f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budgets", default="4.5,3.5,2.5")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/rotation/lean_metadata_dev.json")
+    parser.add_argument("--held-out", action="store_true", help="evaluate each budget's development choice on the held-out windows")
+    parser.add_argument("--held-out-windows", type=int, default=48)
+    parser.add_argument("--held-out-out", default="results/rotation/lean_metadata_48windows.json")
+    parser.add_argument("--scale-spans", action="store_true", help="measure the octaves a layer's per-vector ranges span")
     args = parser.parse_args()
+    if args.scale_spans:
+        scale_spans("results/rotation/lean_metadata_scale_spans.json", args.threads)
+        return
+    if args.held_out:
+        held_out(args.out, args.held_out_out, [float(b) for b in args.budgets.split(",")], args.held_out_windows, args.threads)
+        return
     budgets = [float(b) for b in args.budgets.split(",")]
     family, kb, vb, w = CONTROL
     plan = [(None, (family, kb, vb), candidate(family, kb, vb, w), lean) for lean in (False, True)]
