@@ -385,7 +385,8 @@ class KVQuantConfig(AOBaseConfig):
 
     @property
     def needs_calibration(self) -> bool:
-        layers = (self.default, *self.layers, *(span.layer for span in self.depth_spans))
+        # the specs a model can resolve to: a per-layer list replaces the default (and spans)
+        layers = self.layers or (self.default, *(span.layer for span in self.depth_spans))
         return any(s.needs_calibration for layer in layers for s in (layer.key, layer.value))
 
     # ----------------------------------------------------------------- per-layer view

@@ -1,11 +1,12 @@
 """KVQuantConfig: presets, JSON round trip, and clear errors for bad input."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from kvq_ao.config import PRESETS, KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.config import FP, PRESETS, DepthSpan, KVQuantConfig, LayerKV, QuantSpec
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -187,3 +188,17 @@ def test_a_depth_spans_spec_is_checked_as_a_layer_is_and_named_by_its_span():
     rotated_keys = LayerKV(QuantSpec(4, "token", 64, rotation="hadamard"), QuantSpec(4))
     with pytest.raises(ValueError, match=r"depth span 1: rotated keys need pre_rope_keys false"):
         KVQuantConfig(pre_rope_keys=True, depth_spans=(DepthSpan(0, 0.5, LayerKV()), DepthSpan(0.5, 1, rotated_keys)))
+
+
+def test_a_config_needs_calibration_only_for_the_specs_its_layers_resolve_to():
+    """A per-layer list replaces the default: a config whose listed layers need nothing fitted needs
+    no calibration, whatever its (unused) default is (seen: `kvq tune --dtype rot` profiling a K8V8
+    layer on a base whose default has calibrated levels)."""
+    nuq = LayerKV(QuantSpec(4, "token", 64, "nuq"), QuantSpec(3, "token", 64, "nuq"))
+    uniform = LayerKV(QuantSpec(8, "token", 64), QuantSpec(8, "token", 64))
+    base = KVQuantConfig(default=nuq)
+    assert base.needs_calibration
+    assert not base.with_layers([uniform, LayerKV(FP, FP)]).needs_calibration
+    assert base.with_layers([uniform, nuq]).needs_calibration
+    spans = KVQuantConfig(default=uniform, depth_spans=(DepthSpan(0.0, 0.5, nuq),))
+    assert spans.needs_calibration and not dataclasses.replace(spans, depth_spans=()).needs_calibration
