@@ -287,9 +287,11 @@ def test_tune_over_rotated_datatypes_keeps_the_rotated_layout(tmp_path):
     ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
     calib_ids = torch.randint(3, 128, (3, 64), generator=torch.Generator().manual_seed(2))
     result = tune(model, ids, max_avg_bits=3.0, n_groups=2, base=base, progress=False, log=lambda _m: None,
-                  calibration_ids=calib_ids, calibration_folder=tmp_path, widths=(2, 3, 4))  # fmt: skip
+                  calibration_ids=calib_ids, calibration_folder=tmp_path, widths=(2, 3, 4, 8))  # fmt: skip
     cfg = result.config
     assert result.chosen.avg_bits <= 3.0
+    # a K8V8 layer needs nothing fitted: profiling it once stopped with "needs no calibration"
+    assert result.profile.kl[:, result.profile.column((8, 8))].max() < result.profile.kl[:, result.profile.column((2, 2))].min()
     assert {s.rotation for layer in cfg.layers for s in (layer.key, layer.value)} == {"hadamard"}
     assembled = Calibration.load(cfg.calibration)
     direct = calibrate(model, calib_ids, cfg, progress=False)
