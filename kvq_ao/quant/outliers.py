@@ -76,7 +76,8 @@ def apply_outliers(dense: torch.Tensor, values: torch.Tensor, indices: torch.Ten
 
 def split_vector_outliers(x: torch.Tensor, k: int, group: int):
     """x [..., D] -> (dense, values, indices, is_outlier): each vector's k entries furthest from its
-    mean kept exact, judged online (no calibration), for per-token groups of `group` channels.
+    mean kept exact (most distant first, the lower channel on a tie), judged online (no
+    calibration), for per-token groups of `group` channels.
 
     dense: each outlier entry clamped into the range of the other entries of its channel group,
     so it no longer sets that group's quantization range (a group made only of outliers keeps
@@ -86,7 +87,10 @@ def split_vector_outliers(x: torch.Tensor, k: int, group: int):
     if not 0 < k <= d or d % group:
         raise ValueError(f"per-vector outliers need 0 < k <= head_dim and group | head_dim; got k={k}, group={group}, head_dim={d}")
     xf = x.float()
-    _, idx = (xf - xf.mean(-1, keepdim=True)).abs().topk(k, dim=-1)
+    # the k furthest, the lower channel first on a tie, as every kernel picks them (topk's order
+    # among equal entries is unspecified: a group of equal entries once came out as 12 before 0)
+    far = (xf - xf.mean(-1, keepdim=True)).abs()
+    idx = far.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     channels = torch.arange(d, device=x.device)
     is_outlier = torch.zeros_like(xf, dtype=torch.bool)
     for j in range(k):  # pointwise (no scatter), as `apply_outliers`

@@ -25,7 +25,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, format_ints
@@ -343,6 +343,10 @@ def test_quantize_is_bit_identical_to_the_reference(backend, bits, axis, group, 
        outliers=st.sampled_from(["none", "channel", "vector"]), d=st.sampled_from([64, 128, 256]),
        magnitude=st.sampled_from([1e-9, 1e-6, 1e-3, 1.0, 3e3, 6e4, 1e6]), constant_groups=st.booleans(),
        scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))  # fmt: skip
+# found by CI: a constant group ties per-vector outlier candidates; the reference's topk took channel
+# 12 before 0, every kernel 0 (the lower channel first, the rule)
+@example(seed=310, bits=2, codebook=False, layout=(AXIS_TOKEN, 64), outliers="vector", d=64, magnitude=1e-9, constant_groups=True,
+         scale_dtype=torch.float16)  # fmt: skip
 def test_quantize_is_byte_identical_at_any_magnitude(backend, seed, bits, codebook, layout, outliers, d, magnitude, constant_groups,
                                                     scale_dtype):  # fmt: skip
     """Scales and zeros at the edges of their dtype: subnormal float16 ranges (1e-9, 1e-6), ranges

@@ -561,3 +561,14 @@ class _WordTokenizer:
     def __call__(self, text, return_tensors=None):
         ids = torch.tensor([[hash(w) % 125 + 3 for w in text.split()]])
         return type("Enc", (), {"input_ids": ids})()
+
+
+def test_per_vector_outliers_take_the_lower_channel_first_on_a_tie():
+    """Equally distant entries are picked lowest channel first (the kernels' rule; torch.topk leaves
+    the order of ties unspecified, and the reference once disagreed with every kernel on it)."""
+    x = torch.zeros(2, 3, 64)
+    x[..., 5:64:7] = 4.0  # channels 5, 12, 19, ...: all equally far from the vector's mean
+    x[1, 2, 40] = -9.0  # one farther: first, then the ties in channel order
+    _, values, indices, _ = split_vector_outliers(x, 3, 64)
+    assert indices[0, 0].tolist() == [5, 12, 19] and indices[1, 2].tolist() == [40, 5, 12]
+    assert values[1, 2].tolist() == [-9.0, 4.0, 4.0]
