@@ -87,11 +87,17 @@ def split_vector_outliers(x: torch.Tensor, k: int, group: int):
     if not 0 < k <= d or d % group:
         raise ValueError(f"per-vector outliers need 0 < k <= head_dim and group | head_dim; got k={k}, group={group}, head_dim={d}")
     xf = x.float()
-    # the k furthest, the lower channel first on a tie, as every kernel picks them (topk's order
-    # among equal entries is unspecified: a group of equal entries once came out as 12 before 0)
+    # the k furthest, the lower channel first on a tie, as every kernel picks them: k argmax passes
+    # (argmax returns the first maximum; topk's order among equal entries is unspecified, and a
+    # group of equal entries once came out as 12 before 0; a stable sort does not export to ONNX)
     far = (xf - xf.mean(-1, keepdim=True)).abs()
-    idx = far.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     channels = torch.arange(d, device=x.device)
+    picks = []
+    for _ in range(k):
+        pick = far.argmax(-1, keepdim=True)
+        picks.append(pick)
+        far = torch.where(channels == pick, -1.0, far)  # distances are >= 0: a taken channel is never picked again
+    idx = torch.cat(picks, dim=-1)
     is_outlier = torch.zeros_like(xf, dtype=torch.bool)
     for j in range(k):  # pointwise (no scatter), as `apply_outliers`
         is_outlier = is_outlier | (channels == idx[..., j : j + 1])
