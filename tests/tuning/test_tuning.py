@@ -219,6 +219,21 @@ def test_tune_over_kvquant_datatypes_nf_levels_and_pre_rope_keys(tmp_path):
         model(ids, cache=make_cache(model, cfg))
 
 
+def _assert_assembled_calibration_is_direct(model, calib_ids, cfg):
+    """The calibration `tune` assembled layer by layer from one calibration per width equals
+    calibrating the tuned config directly, up to float rounding (tuning left the model's attention
+    on kvq_ao's path)."""
+    import torch
+
+    from kvq_ao.calibration import Calibration, calibrate
+
+    assembled = Calibration.load(cfg.calibration)
+    direct = calibrate(model, calib_ids, cfg, progress=False)
+    assert assembled.tensors.keys() == direct.tensors.keys() and direct.tensors
+    for name, t in direct.tensors.items():
+        torch.testing.assert_close(assembled.tensors[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_path):
     """`base_config(dtype="kvquant")`: the kvquant preset layout (nuq levels, calibrated key ranges,
     outliers) at every width. Each width is calibrated once; the tuned config's calibration, assembled
@@ -227,7 +242,6 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
 
     from conftest import tiny_llama
     from kvq_ao import make_cache, quantize_kv_
-    from kvq_ao.calibration import Calibration, calibrate
     from kvq_ao.tuning.profile import base_config, layer_spec
     from kvq_ao.tuning.tuner import tune
 
@@ -247,11 +261,7 @@ def test_tune_over_calibrated_kvquant_datatypes_calibrates_each_width_once(tmp_p
     cfg = result.config
     assert result.chosen.avg_bits <= 3.0 and {s.bits for layer in cfg.layers for s in (layer.key, layer.value)} > {2}
     assert sorted(p.name for p in tmp_path.glob("*bit.json")) == [f"{base.name}-{w}bit.json" for w in (2, 3, 4, 8)]
-    assembled = Calibration.load(cfg.calibration)
-    direct = calibrate(model, calib_ids, cfg, progress=False)
-    assert assembled.tensors.keys() == direct.tensors.keys() and direct.tensors
-    for name, t in direct.tensors.items():  # up to float rounding: tuning left the model's attention on kvq_ao's path
-        torch.testing.assert_close(assembled.tensors[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_assembled_calibration_is_direct(model, calib_ids, cfg)
     assert (result.profile.kl[:, result.profile.column((2, 2))] > result.profile.kl[:, result.profile.column((4, 4))]).all()
     quantize_kv_(model, cfg)
     with torch.no_grad():
@@ -267,7 +277,6 @@ def test_tune_over_rotated_datatypes_keeps_the_rotated_layout(tmp_path):
 
     from conftest import tiny_llama
     from kvq_ao import make_cache, quantize_kv_
-    from kvq_ao.calibration import Calibration, calibrate
     from kvq_ao.config import KVQuantConfig
     from kvq_ao.tuning.profile import base_config, layer_spec
     from kvq_ao.tuning.tuner import tune
@@ -293,11 +302,7 @@ def test_tune_over_rotated_datatypes_keeps_the_rotated_layout(tmp_path):
     # a K8V8 layer needs nothing fitted: profiling it once stopped with "needs no calibration"
     assert result.profile.kl[:, result.profile.column((8, 8))].max() < result.profile.kl[:, result.profile.column((2, 2))].min()
     assert {s.rotation for layer in cfg.layers for s in (layer.key, layer.value)} == {"hadamard"}
-    assembled = Calibration.load(cfg.calibration)
-    direct = calibrate(model, calib_ids, cfg, progress=False)
-    assert assembled.tensors.keys() == direct.tensors.keys() and direct.tensors
-    for name, t in direct.tensors.items():
-        torch.testing.assert_close(assembled.tensors[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_assembled_calibration_is_direct(model, calib_ids, cfg)
     assert (result.profile.kl[:, result.profile.column((2, 2))] > result.profile.kl[:, result.profile.column((4, 4))]).all()
     quantize_kv_(model, cfg)
     with torch.no_grad():
