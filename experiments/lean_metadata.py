@@ -39,6 +39,12 @@ sink token left out) over the calibration samples, in octaves. A 256-code window
 octave spans 16 octaves above its base.
 
     python experiments/lean_metadata.py --scale-spans  # -> results/rotation/lean_metadata_scale_spans.json
+
+`--symmetric` runs each budget's 8-bit choice (and the control) with another two-byte encoding
+instead: a float16 scale of the symmetric range [-max|x|, max|x|], the zero implied (-scale *
+levels / 2), which a kernel reads with no new decoding.
+
+    python experiments/lean_metadata.py --symmetric    # -> results/rotation/symmetric_metadata_dev.json
 """
 
 import argparse
@@ -67,6 +73,8 @@ CANDIDATES = {
     2.5: [("rot tokens", 2, 2), ("kvq keys, no outliers + rot values", 2, 2)],
 }
 CONTROL = ("rot tokens", 3, 2, 112)  # rot-k3v2's layout, float16 and 8-bit metadata
+# --symmetric: each budget's 8-bit choice (lowest development KL) with the implied-zero range instead
+SYMMETRIC_CANDIDATES = {4.5: [("rot tokens", 4, 3)], 3.5: [("rot tokens", 3, 2)], 2.5: [("kvq keys, no outliers + rot values", 2, 2)]}
 
 _float16_group_range = uniform_mod.group_range
 
@@ -98,10 +106,23 @@ def lean_group_range(g: torch.Tensor, dim: int, levels: int, scale_dtype: torch.
     return torch.where(empty, lo, zero).float(), torch.where(empty, torch.zeros_like(scale), scale).float()
 
 
-def use_lean_metadata(on: bool) -> None:
+def symmetric_group_range(g: torch.Tensor, dim: int, levels: int, scale_dtype: torch.dtype):
+    """`group_range` of a symmetric range for per-vector groups (dim -1): the float16 scale covers
+    [-m, m], m = max |x|, and the zero is not stored but implied, -scale * levels / 2 (a rotated
+    vector's channels are spread around 0). Other groups as before."""
+    if dim != -1:
+        return _float16_group_range(g, dim, levels, scale_dtype)
+    m = torch.maximum(g.amin(dim=dim, keepdim=True).abs(), g.amax(dim=dim, keepdim=True).abs()).float()
+    scale = uniform_mod._rounded(2 * m / levels, scale_dtype)
+    short = scale.double() * levels < 2 * m.double()
+    scale = torch.where(short, uniform_mod._step(scale, 1.0, scale_dtype), scale)
+    return -scale * (levels / 2), scale
+
+
+def use_lean_metadata(on: bool | str) -> None:
     """Route per-vector groups of both quantizers (uniform and codebook levels) through the 8-bit
-    emulation, or back to float16."""
-    fn = lean_group_range if on else _float16_group_range
+    emulation (True), the implied-zero symmetric range ("symmetric"), or back to float16 (False)."""
+    fn = symmetric_group_range if on == "symmetric" else lean_group_range if on else _float16_group_range
     uniform_mod.group_range = fn
     codebook_mod.group_range = fn
 
@@ -109,16 +130,16 @@ def use_lean_metadata(on: bool) -> None:
 def bits_at_4096(config, lean: bool, layers: int = 30, heads: int = 3, head_dim: int = 64, tokens: int = 4096) -> float:
     """Bits per element as `kvq_ao.memory.estimate` counts them, with one byte per scale and zero of a
     per-vector group when `lean` (calibrated per-channel rows stay float16; they are one row a layer)."""
-    spec = config.resolve(layers)[0]
-    block = spec.token_block
-    capacity = math.ceil(tokens / block) * block
-    side = config.sink_tokens + config.residual_length + block
     total = 0
-    for s in (spec.key, spec.value):
-        per_vector = s.axis == "token" and s.ranges != "calibrated"
-        total += body_bytes(s, heads, head_dim, capacity, 4, 1 if lean and per_vector else 2)
-    total += 2 * heads * side * head_dim * 2 + side * _SIDE_POS_BYTES + 8
-    return 8 * total * layers / (2 * layers * heads * head_dim * tokens)
+    for spec in config.resolve(layers):  # per layer: a tuned config's layers differ
+        block = spec.token_block
+        capacity = math.ceil(tokens / block) * block
+        side = config.sink_tokens + config.residual_length + block
+        for s in (spec.key, spec.value):
+            per_vector = s.axis == "token" and s.ranges != "calibrated"
+            total += body_bytes(s, heads, head_dim, capacity, 4, 1 if lean and per_vector else 2)
+        total += 2 * heads * side * head_dim * 2 + side * _SIDE_POS_BYTES + 8
+    return 8 * total / (2 * layers * heads * head_dim * tokens)
 
 
 def fitted(budget: float, family: str, kb: int, vb: int):
@@ -213,6 +234,8 @@ def main() -> None:
     parser.add_argument("--held-out-windows", type=int, default=48)
     parser.add_argument("--held-out-out", default="results/rotation/lean_metadata_48windows.json")
     parser.add_argument("--scale-spans", action="store_true", help="measure the octaves a layer's per-vector ranges span")
+    parser.add_argument("--symmetric", action="store_true",
+                        help="the implied-zero symmetric range instead (-> results/rotation/symmetric_metadata_dev.json)")
     args = parser.parse_args()
     if args.scale_spans:
         scale_spans("results/rotation/lean_metadata_scale_spans.json", args.threads)
@@ -222,31 +245,33 @@ def main() -> None:
         return
     budgets = [float(b) for b in args.budgets.split(",")]
     family, kb, vb, w = CONTROL
-    plan = [(None, (family, kb, vb), candidate(family, kb, vb, w), lean) for lean in (False, True)]
+    mode = "symmetric" if args.symmetric else True
+    out = "results/rotation/symmetric_metadata_dev.json" if args.symmetric else args.out
+    plan = [(None, (family, kb, vb), candidate(family, kb, vb, w), lean) for lean in ((mode,) if args.symmetric else (False, True))]
     for b in budgets:
-        for c in CANDIDATES[b]:
+        for c in SYMMETRIC_CANDIDATES.get(b, []) if args.symmetric else CANDIDATES[b]:
             cfg = fitted(b, *c)
             print(f"budget {b}: {cfg.name if cfg else f'{c} fits no window: skipped'}")
             if cfg is not None:
-                plan.append((b, c, cfg, True))
+                plan.append((b, c, cfg, mode))
     model, dev, activations_of = dev_model(args.threads, args.windows)
-    rows = load_dev_rows(args.out)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = load_dev_rows(out)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     folder = Path("/tmp/kvq-lean-metadata")
     for budget, (family, kb, vb), cfg, lean in plan:
-        label = f"{cfg.name} {'8-bit' if lean else 'float16'} metadata"
+        kind = "symmetric" if lean == "symmetric" else "8-bit" if lean else "float16"
+        label = f"{cfg.name} {kind} metadata"
         if any(r["config_label"] == label for r in rows):
             continue
         use_lean_metadata(lean)
         row = calibrated_dev_row(model, dev, activations_of(cfg.pre_rope_keys), cfg, folder / f"{label.replace(' ', '-')}.json",
                                  config_label=label, budget=budget, family=family, key_bits=kb, value_bits=vb,
-                                 fp_window=cfg.residual_length, metadata="8-bit" if lean else "float16",
-                                 bits_lean=bits_at_4096(cfg, lean))  # fmt: skip
+                                 fp_window=cfg.residual_length, metadata=kind, bits_lean=bits_at_4096(cfg, bool(lean)))  # fmt: skip
         rows.append(row)
-        save_dev_rows(args.out, rows)
+        save_dev_rows(out, rows)
     use_lean_metadata(False)
-    chosen = {b: min((r for r in rows if r["budget"] == b), key=lambda r: r["kl"]) for b in budgets}
-    print_dev_table("development text: 8-bit per-vector metadata (emulated)", rows,
+    chosen = {b: min((r for r in rows if r["budget"] == b), key=lambda r: r["kl"]) for b in budgets if any(r["budget"] == b for r in rows)}
+    print_dev_table(f"development text: {'symmetric' if args.symmetric else '8-bit'} per-vector metadata (emulated)", rows,
                     {"budget": lambda r: str(r["budget"] or "control"), "family": lambda r: r["family"],
                      "K/V bits": lambda r: f"{r['key_bits']}/{r['value_bits']}", "window": lambda r: str(r["fp_window"]),
                      "metadata": lambda r: r["metadata"]},
