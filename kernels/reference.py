@@ -41,7 +41,7 @@ def quantize(x: torch.Tensor, format: list[int], scale_dtype: torch.dtype, codeb
 
     Outliers are judged by the channel ranges lo/hi, or per vector when lo/hi are empty.
     """
-    bits, axis, group, _ = format_of(format)
+    bits, axis, group, _, meta = format_of(format)
     if n_outliers > 0 and lo.numel() == 0:
         dense, out_val, out_idx, _ = split_vector_outliers(x, n_outliers, group)
         clamped = x.new_zeros([], dtype=torch.int64)  # every vector keeps all k of its outliers
@@ -53,9 +53,9 @@ def quantize(x: torch.Tensor, format: list[int], scale_dtype: torch.dtype, codeb
         out_idx = x.new_zeros([*x.shape[:-1], 0], dtype=torch.uint8)
         clamped = x.new_zeros([], dtype=torch.int64)
     if codebook.numel() > 0:
-        codes, scale, zero = quantize_codebook(dense, codebook, bits, axis, group, scale_dtype)
+        codes, scale, zero = quantize_codebook(dense, codebook, bits, axis, group, scale_dtype, meta)
     else:
-        codes, scale, zero = quantize_uniform(dense, bits, axis, group, scale_dtype)
+        codes, scale, zero = quantize_uniform(dense, bits, axis, group, scale_dtype, meta)
     return codes, scale, zero, out_val, out_idx, clamped
 
 
@@ -92,9 +92,9 @@ def dequantize_operand(o: Operand, dtype: torch.dtype, select_levels: bool = Fal
     if is_float(o.bits):
         return o.codes.to(dtype)
     if o.codebook is not None and o.codebook.numel() > 0:
-        x = dequantize_codebook(o.codes, o.scale, o.zero, o.codebook, o.bits, o.axis, o.group, torch.float32, select_levels)
+        x = dequantize_codebook(o.codes, o.scale, o.zero, o.codebook, o.bits, o.axis, o.group, torch.float32, select_levels, o.meta)
     else:
-        x = dequantize_uniform(o.codes, o.scale, o.zero, o.bits, o.axis, o.group, torch.float32)
+        x = dequantize_uniform(o.codes, o.scale, o.zero, o.bits, o.axis, o.group, torch.float32, o.meta)
     if o.out_val is not None:
         x = apply_outliers(x, o.out_val, o.out_idx)
     return x.to(dtype)

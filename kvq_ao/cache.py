@@ -53,7 +53,7 @@ def _native_writers(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and cpu_kernels.is_loaded() and not gpu_kernels.serves(x.device)
 
 
-def _op_format(spec: QuantSpec) -> tuple[int, int, int, int]:
+def _op_format(spec: QuantSpec) -> tuple[int, int, int, int, int]:
     return encode(spec.bits, spec.axis_id, spec.group_size, query_bits=spec.query_bits)
 
 
@@ -137,8 +137,8 @@ class _BodyStore:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.scale, self.zero
 
-    def op_format(self) -> tuple[int, int, int, int]:
-        """(bits, axis, group, query_bits) the kvq ops read this body with: calibrated ranges are the per-channel
+    def op_format(self) -> tuple[int, int, int, int, int]:
+        """(bits, axis, group, query_bits, meta) the kvq ops read this body with: calibrated ranges are the per-channel
         format with one scale/zero row for all positions (`kvq_ao.format.ONE_ROW`, whatever the capacity, so a
         growing cache keeps one format and a compiled step its graph)."""
         return encode(self.spec.bits, self.spec.axis_id, self.spec.group_size, calibrated_rows=self.spec.calibrated_ranges,
@@ -155,9 +155,9 @@ class _BodyStore:
 
     def operand_fields(self) -> dict:
         """The body's fields of a `QuantizedKV` (every operand field but the side store)."""
-        bits, axis, group, query_bits = self.op_format()
+        bits, axis, group, query_bits, meta = self.op_format()
         return dict(codes=self.codes, scale=self.scale, zero=self.zero, codebook=self.codebook, out_val=self.out_val,
-                    out_idx=self.out_idx, bits=bits, axis=axis, group=group, query_bits=query_bits)  # fmt: skip
+                    out_idx=self.out_idx, bits=bits, axis=axis, group=group, query_bits=query_bits, meta=meta)  # fmt: skip
 
     def grow(self, capacity: int) -> None:
         def pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -174,7 +174,7 @@ class _BodyStore:
     def _encode(self, x: torch.Tensor):
         if not self.spec.is_quantized:
             return x.to(self.codes.dtype), None, None, None, None, None
-        bits, axis, group, _ = _op_format(self.spec)
+        bits, axis, group, _, _ = _op_format(self.spec)
         if self.spec.calibrated_ranges:
             codes, out_val, out_idx, clamped = gpu_kernels.quantize_fixed_op(x)(
                 x, bits, self.fixed_zero, self.fixed_scale, self.codebook, self.lo, self.hi, self.n_outliers)  # fmt: skip

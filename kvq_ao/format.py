@@ -40,6 +40,22 @@ their values; kernels and the cache ask the predicates):
   Every step before the integer dot product is one float32 operation, so every kernel rounds the
   query to the same integer vector; qi . code is exact in int32 (then rounded once to float32).
   Values always take `FLOAT_QUERY`.
+* meta: how scale and zero are stored. `FLOAT_META`: as floats (the cache's scale dtype).
+  Otherwise (`meta_ints(e)`, per-token groups of packed codes only) as one uint8 code each, half
+  the bytes of float16 metadata (a quarter bit of every element at head_dim 64), decoded as
+
+      scale = 2**e * SCALE_TABLE[s]        SCALE_TABLE[s] = float32(2**(s / 16)): 16 steps an octave
+      zero  = -(scale * float(L * z)) * 2**-8        (float32 operations, in this order)
+
+  with L = `range_levels(bits, codebook)` (2**bits - 1 uniform levels, 1 for a codebook in
+  [0, 1]): the zero is a fraction z / 256 of the group's range below 0, so every group's range
+  contains 0 (a rotated vector's always does). A group [lo, hi] is coded (`kvq_ao.quant.metadata`,
+  and each quantizer alike) with lo' = min(lo, 0), hi' = max(hi, 0), S[c] = 2**e * SCALE_TABLE[c]:
+  c0 = #{c : fl(S[c] * L) < fl(hi' - lo')} (at most 255); z(c) = the smallest z in [0, 255] with
+  zero(c, z) <= lo' (255 if none); c = the first of c0, c0 + 1, c0 + 2 (at most 255) with
+  zero(c, z(c)) <= lo' and fl(zero + fl(S[c] * L)) >= hi', else the last of them. So the stored
+  range covers the group (a group wider than S[255] * L is clamped: pick e so that none is), and
+  every kernel computes the same bytes with float32 multiplies and compares only.
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ import math
 from typing import Any
 
 OPERAND_TENSORS: tuple[str, ...] = ("codes", "scale", "zero", "codebook", "out_val", "out_idx", "side")
-OPERAND_INTS: tuple[str, ...] = ("bits", "axis", "group", "query_bits")
+OPERAND_INTS: tuple[str, ...] = ("bits", "axis", "group", "query_bits", "meta")
 
 AXIS_TOKEN = 0
 AXIS_CHANNEL = 1
@@ -59,20 +75,62 @@ INT8_QUERY = 8  # `query_bits`: keys scored by integer dot products against an i
 INT16_QUERY = 16  # `query_bits`: the same against a query of 32512 steps a side (two int8 digits)
 QUERY_BITS = (FLOAT_QUERY, INT8_QUERY, INT16_QUERY)
 _QUERY_LEVELS = {INT8_QUERY: 127, INT16_QUERY: 127 * 256}
+FLOAT_META = 0  # `meta`: scale and zero stored as floats
+META_OFFSET = 128  # `meta` of 8-bit metadata with scale exponent e: META_OFFSET + e, e in [-90, 90]
+SCALE_STEPS = 16  # 8-bit scale codes per octave
+ZERO_STEPS = 256  # 8-bit zero codes over a group's range (z / 256 of it below 0)
 PACKED_BITS = (2, 3, 4, 8)  # the widths of packed codes
 CODEBOOK_BITS = (2, 3, 4)  # the widths a codebook (non-uniform levels) may have
 # The version of everything above as bytes in memory: a program exported with packed caches (.pte,
 # .onnx) records it, and the runners refuse a program of another version (its buffers would be
 # read with another layout). Bump it with any change to what an operand's bytes mean.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MAX_OUTLIER_HEAD_DIM = 256  # outlier channel indices are uint8 (every slot holds a channel: none is reserved)
 
 
-def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False, query_bits: int = FLOAT_QUERY) -> tuple[int, int, int, int]:
-    """(bits, axis, group, query_bits) as the ops take them, from a spec's terms: bits None is a
-    float body, `calibrated_rows` one calibrated scale/zero row for every position (per-channel
-    only), `query_bits` how keys are scored."""
-    return (FLOAT_BITS if bits is None else bits, axis, ONE_ROW if calibrated_rows else group, query_bits)
+def encode(bits: int | None, axis: int, group: int, calibrated_rows: bool = False, query_bits: int = FLOAT_QUERY,
+           meta: int = FLOAT_META) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """(bits, axis, group, query_bits, meta) as the ops take them, from a spec's terms: bits None is
+    a float body, `calibrated_rows` one calibrated scale/zero row for every position (per-channel
+    only), `query_bits` how keys are scored, `meta` how scale and zero are stored."""
+    return (FLOAT_BITS if bits is None else bits, axis, ONE_ROW if calibrated_rows else group, query_bits, meta)
+
+
+def is_meta8(meta: int) -> bool:
+    """Whether scale and zero are stored as 8-bit codes (uint8 tensors) rather than floats."""
+    return meta != FLOAT_META
+
+
+def meta_ints(exponent: int) -> int:
+    """`meta` of 8-bit metadata whose scale codes start at 2**exponent (a clear error out of range)."""
+    if isinstance(exponent, bool) or not isinstance(exponent, int) or not -90 <= exponent <= 90:
+        raise ValueError(f"kvq: the 8-bit scale exponent must be an int in [-90, 90] (scales and zeros stay normal float32), got {exponent!r}")
+    return META_OFFSET + exponent
+
+
+def meta_exponent(meta: int) -> int:
+    """e of 8-bit metadata: its smallest scale is 2**e, its largest 2**(e + 255 / 16)."""
+    if not is_meta8(meta):
+        raise ValueError("kvq: float metadata has no scale exponent")
+    return meta - META_OFFSET
+
+
+def range_levels(bits: int, codebook: bool) -> int:
+    """L, a group's range in units of its scale: 2**bits - 1 uniform levels, 1 for a codebook in [0, 1]."""
+    return 1 if codebook else 2**bits - 1
+
+
+def default_meta_exponent(bits: int, codebook: bool) -> int:
+    """The scale exponent e of an uncalibrated 8-bit format: its groups' ranges S * L may span about
+    2**-7 to 2**9 (16 octaves), which holds a KV vector's range in the models kvq_ao runs."""
+    return -7 - round(math.log2(range_levels(bits, codebook)))
+
+
+def scale_table() -> list[float]:
+    """SCALE_TABLE: float32(2**(s / 16)) for s in 0..255, as Python floats (exactly float32 values)."""
+    import struct
+
+    return [struct.unpack("f", struct.pack("f", 2.0 ** (s / SCALE_STEPS)))[0] for s in range(256)]
 
 
 def is_int_query(query_bits: int) -> bool:
@@ -102,8 +160,9 @@ def tokens_per_group(axis: int, group: int, tokens: int) -> int:
     return max(tokens, 1) if is_one_row(axis, group) else group
 
 
-def check_format(bits: int, axis: int, group: int, allow_float: bool = True, query_bits: int = FLOAT_QUERY) -> None:
-    """Raise a ValueError naming the field when (bits, axis, group, query_bits) is not a format."""
+def check_format(bits: int, axis: int, group: int, allow_float: bool = True, query_bits: int = FLOAT_QUERY,
+                 meta: int = FLOAT_META) -> None:  # fmt: skip
+    """Raise a ValueError naming the field when (bits, axis, group, query_bits, meta) is not a format."""
     if not (bits in PACKED_BITS or (allow_float and is_float(bits))):
         raise ValueError(f"kvq: bits must be one of {PACKED_BITS}{f' or {FLOAT_BITS} (float)' if allow_float else ''}, got {bits}")
     if axis not in (AXIS_TOKEN, AXIS_CHANNEL):
@@ -117,6 +176,12 @@ def check_format(bits: int, axis: int, group: int, allow_float: bool = True, que
     if is_int_query(query_bits) and (is_float(bits) or axis != AXIS_CHANNEL):
         raise ValueError(f"kvq: an integer query (query_bits {query_bits}) scores packed codes in per-channel groups, got bits "
                          f"{bits}, axis {axis}")  # fmt: skip
+    if is_meta8(meta) and not (META_OFFSET - 90 <= meta <= META_OFFSET + 90):
+        raise ValueError(f"kvq: meta must be {FLOAT_META} (float scale and zero) or {META_OFFSET} + e with e in [-90, 90] "
+                         f"(8-bit), got {meta}")  # fmt: skip
+    if is_meta8(meta) and (is_float(bits) or axis != AXIS_TOKEN):
+        raise ValueError(f"kvq: 8-bit metadata (meta {meta}) codes per-token groups of packed codes (their ranges contain 0), "
+                         f"got bits {bits}, axis {axis}")  # fmt: skip
 
 
 def word_layout(bits: int) -> tuple[int, int]:
@@ -132,30 +197,30 @@ def midpoints(codebook):
     return (codebook[1:] + codebook[:-1]) * 0.5
 
 
-def format_ints(bits: int, axis: int, group: int, query_bits: int = FLOAT_QUERY) -> list[int]:
+def format_ints(bits: int, axis: int, group: int, query_bits: int = FLOAT_QUERY, meta: int = FLOAT_META) -> list[int]:
     """An operand's format numbers as the ops' `int[]` (in `OPERAND_INTS` order)."""
-    values = {"bits": bits, "axis": axis, "group": group, "query_bits": query_bits}
+    values = {"bits": bits, "axis": axis, "group": group, "query_bits": query_bits, "meta": meta}
     return [int(values[name]) for name in OPERAND_INTS]
 
 
-def format_of(ints) -> tuple[int, int, int, int]:
-    """(bits, axis, group, query_bits) of an ops' `int[]` format (a clear error on a wrong length)."""
+def format_of(ints) -> tuple[int, int, int, int, int]:
+    """(bits, axis, group, query_bits, meta) of an ops' `int[]` format (a clear error on a wrong length)."""
     if len(ints) != len(OPERAND_INTS):
         raise ValueError(f"kvq: a format lists {len(OPERAND_INTS)} ints {OPERAND_INTS}, got {len(ints)}")
     values = dict(zip(OPERAND_INTS, (int(v) for v in ints)))
-    return values["bits"], values["axis"], values["group"], values["query_bits"]
+    return values["bits"], values["axis"], values["group"], values["query_bits"], values["meta"]
 
 
 class Operand:
     """One operand (K or V) of the attention ops: its tensors and format numbers by name.
 
-    Built by keyword (`Operand(codes=..., ..., group=...)`; query_bits may be left out: float
-    scores) or from the ops' lists (`Operand.from_lists`); `lists()` gives them back in schema
+    Built by keyword (`Operand(codes=..., ..., group=...)`; query_bits and meta may be left out:
+    float scores, float metadata) or from the ops' lists (`Operand.from_lists`); `lists()` gives them back in schema
     order. Fields the format does not use are None.
     """
 
     __slots__ = OPERAND_TENSORS + OPERAND_INTS
-    _DEFAULTS: dict = {"query_bits": FLOAT_QUERY}
+    _DEFAULTS: dict = {"query_bits": FLOAT_QUERY, "meta": FLOAT_META}
 
     def __init__(self, **fields: Any) -> None:
         fields = {**self._DEFAULTS, **fields}
@@ -195,13 +260,18 @@ class Operand:
         return is_int_query(self.query_bits)
 
     @property
+    def meta8(self) -> bool:
+        """Whether scale and zero are 8-bit codes (`is_meta8`)."""
+        return is_meta8(self.meta)
+
+    @property
     def n_outliers(self) -> int:
         return 0 if self.out_val is None else self.out_val.shape[-1]
 
     def __repr__(self) -> str:
         shape = tuple(self.codes.shape) if self.codes is not None else None
         return (f"Operand(codes={shape}, bits={self.bits}, axis={self.axis}, group={self.group}, query_bits={self.query_bits}, "
-                f"outliers={self.n_outliers})")
+                f"meta={self.meta}, outliers={self.n_outliers})")
 
 
 def c_header() -> str:
@@ -228,6 +298,12 @@ def c_header() -> str:
         "// L, an integer query's steps a side (0: keys scored in float)",
         "constexpr int32_t query_levels(int64_t query_bits) { switch (query_bits) { "
         + " ".join(f"case {b}: return {n};" for b, n in _QUERY_LEVELS.items()) + " default: return 0; } }",
+        f"constexpr int64_t kFloatMeta = {FLOAT_META};",
+        f"constexpr int64_t kMetaOffset = {META_OFFSET};",
+        f"constexpr int kZeroSteps = {ZERO_STEPS};",
+        "// 8-bit metadata: scale = 2^e * kScaleTable[s], zero = -(scale * float(L * z)) * 2^-8 (kvq_ao/format.py)",
+        "constexpr float kScaleTable[256] = {" + ", ".join(f"{v.hex()}f" for v in scale_table()) + "};",
+        "constexpr bool is_meta8(int64_t meta) { return meta != kFloatMeta; }",
         f"constexpr int kMaxOutlierHeadDim = {MAX_OUTLIER_HEAD_DIM};",
         "// The planar packing (kvq_ao.quant.packing): codes per word and bytes per word of each width.",
         "constexpr int codes_per_word(int64_t bits) { switch (bits) { "
@@ -245,6 +321,7 @@ def c_header() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "FLOAT_BITS", "FLOAT_QUERY", "FORMAT_VERSION", "INT8_QUERY", "MAX_OUTLIER_HEAD_DIM", "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS",
-           "Operand", "PACKED_BITS", "QUERY_BITS", "c_header", "check_format", "encode", "format_ints", "format_of", "is_float", "is_one_row", "midpoints", "tokens_per_group",
-           "word_layout"]  # fmt: skip
+__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "FLOAT_BITS", "FLOAT_META", "FLOAT_QUERY", "FORMAT_VERSION", "INT8_QUERY", "MAX_OUTLIER_HEAD_DIM", "META_OFFSET",
+           "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS", "Operand", "PACKED_BITS", "QUERY_BITS", "SCALE_STEPS", "ZERO_STEPS", "c_header", "check_format",
+           "default_meta_exponent", "encode", "format_ints", "format_of", "is_float", "is_meta8", "is_one_row", "meta_exponent", "meta_ints", "midpoints",
+           "range_levels", "scale_table", "tokens_per_group", "word_layout"]  # fmt: skip

@@ -22,8 +22,9 @@ from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant.uniform import check_shape
 
 
-def _check_format(bits: int, axis: int, group: int, allow_fp: bool = False, query_bits: int = fmt.FLOAT_QUERY) -> None:
-    fmt.check_format(bits, axis, group, allow_float=allow_fp, query_bits=query_bits)
+def _check_format(bits: int, axis: int, group: int, allow_fp: bool = False, query_bits: int = fmt.FLOAT_QUERY,
+                  meta: int = fmt.FLOAT_META) -> None:  # fmt: skip
+    fmt.check_format(bits, axis, group, allow_float=allow_fp, query_bits=query_bits, meta=meta)
 
 
 def _meta_shapes(shape, bits: int, axis: int, group: int) -> tuple[list[int], list[int]]:
@@ -57,25 +58,26 @@ def _(x, format, scale_dtype, codebook, lo, hi, n_outliers):
     bits, axis, group = _check_quantize(x, format, codebook, lo, hi, n_outliers, scale_dtype)
     codes, scale = _meta_shapes(x.shape, bits, axis, group)
     sparse = [*x.shape[:-1], n_outliers]
+    stored = torch.uint8 if fmt.is_meta8(fmt.format_of(format)[4]) else scale_dtype
     return (
         x.new_empty(codes, dtype=torch.uint8),
-        x.new_empty(scale, dtype=scale_dtype),
-        x.new_empty(scale, dtype=scale_dtype),
+        x.new_empty(scale, dtype=stored),
+        x.new_empty(scale, dtype=stored),
         x.new_empty(sparse),
         x.new_empty(sparse, dtype=torch.uint8),
         x.new_empty([], dtype=torch.int64),
     )
 
 
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kvq.quantize stores scales and zeros in
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kvq.quantize stores float scales and zeros in
 
 
 def _check_quantize(x, format, codebook, lo, hi, n_outliers, scale_dtype=torch.float16) -> tuple[int, int, int]:
     """Validate kvq.quantize's arguments; returns the format's (bits, axis, group)."""
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"kvq: scale_dtype must be float16, bfloat16 or float32, got {scale_dtype}")
-    bits, axis, group, query_bits = fmt.format_of(format)
-    _check_format(bits, axis, group, query_bits=query_bits)
+    bits, axis, group, query_bits, meta = fmt.format_of(format)
+    _check_format(bits, axis, group, query_bits=query_bits, meta=meta)
     _check_quantize_format(x, bits, axis, group, codebook, lo, hi, n_outliers)
     return bits, axis, group
 
@@ -172,7 +174,8 @@ def _(operand, format, dtype):
 
 def _check_dequantize(operand, format) -> Operand:
     o = Operand.from_lists(operand, format)
-    _check_format(o.bits, o.axis, o.group, allow_fp=True, query_bits=o.query_bits)
+    _check_format(o.bits, o.axis, o.group, allow_fp=True, query_bits=o.query_bits, meta=o.meta)
+    _check_metadata_dtypes(o, "kvq.dequantize: the operand")
     _check_codebook_shape(o.codebook if o.codebook is not None else o.codes.new_zeros(0), o.bits)
     if (o.out_val is None) != (o.out_idx is None):
         raise ValueError("kvq.dequantize: out_val and out_idx come together (both or neither)")
@@ -382,8 +385,21 @@ def _quantize_fixed_out_fake(x, bits, zero, scale, codebook, lo, hi, n_outliers,
     return codes, out_val, out_idx, clamped
 
 
+def _check_metadata_dtypes(o: Operand, name: str) -> None:
+    """uint8 scale and zero with 8-bit metadata, float ones otherwise (a clear error naming the operand)."""
+    if o.is_float or o.scale is None or o.zero is None:
+        return
+    coded = [t.dtype == torch.uint8 for t in (o.scale, o.zero)]
+    if o.meta8 and not all(coded):
+        raise ValueError(f"{name}'s 8-bit metadata (meta {o.meta}) needs uint8 scale and zero, got {o.scale.dtype} and {o.zero.dtype}")
+    if not o.meta8 and not all(t.is_floating_point() for t in (o.scale, o.zero)):
+        raise ValueError(f"{name}'s float metadata (meta {fmt.FLOAT_META}) needs float scale and zero, got {o.scale.dtype} and "
+                         f"{o.zero.dtype}")  # fmt: skip
+
+
 def _check_operand(o: Operand, name: str) -> None:
-    _check_format(o.bits, o.axis, o.group, allow_fp=True, query_bits=o.query_bits)
+    _check_format(o.bits, o.axis, o.group, allow_fp=True, query_bits=o.query_bits, meta=o.meta)
+    _check_metadata_dtypes(o, f"kvq attention: {name}")
     if o.int_query and (name != "k" or o.codebook is not None):
         raise ValueError(f"kvq attention: an integer query (query_bits {o.query_bits}) scores keys with uniform codes; {name} has "
                          + ("a codebook" if name == "k" else "it (values take query_bits 0)"))  # fmt: skip

@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from kvq_ao._torchao import TorchAOBaseTensor
-from kvq_ao.format import AXIS_CHANNEL, FLOAT_QUERY, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float, is_int_query
+from kvq_ao.format import AXIS_CHANNEL, FLOAT_META, FLOAT_QUERY, OPERAND_INTS, OPERAND_TENSORS, Operand, is_float, is_int_query
 from kvq_ao.kernels import gpu as gpu_kernels
 from kvq_ao.ops import attention_arguments as op_arguments
 from kvq_ao.quant import rotation
@@ -42,7 +42,7 @@ class QuantizedKV(TorchAOBaseTensor):
     # unflatten pass the tensors, then the attributes, positionally in these orders.
     tensor_data_names = [*OPERAND_TENSORS, "side_pos", "body_end", "rope_inv_freq", "rotation"]
     tensor_attribute_names = [*OPERAND_INTS, "body_start", "logical_dtype", "rope_scale"]
-    _DEFAULTS = {"rope_scale": 1.0, "query_bits": FLOAT_QUERY}
+    _DEFAULTS = {"rope_scale": 1.0, "query_bits": FLOAT_QUERY, "meta": FLOAT_META}
 
     @classmethod
     def _fields(cls, args: tuple, kwargs: dict) -> dict:
@@ -85,6 +85,8 @@ class QuantizedKV(TorchAOBaseTensor):
             fmt += f" int{self.query_bits}-query scores"
         if self.rotated:
             fmt += " rotated"
+        if self.meta != FLOAT_META:
+            fmt += " 8-bit scale/zero"
         return f"QuantizedKV(shape={tuple(self.shape)}, {fmt}, side={self.side.shape[2]})"
 
     def body(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ except ImportError:
     st = None
 
 from kvq_ao import masks
-from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, Operand, format_ints
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, FLOAT_META, ONE_ROW, Operand, default_meta_exponent, format_ints, meta_ints
 from kvq_ao.kernels.reference import dequantize_operand
 from kvq_ao.ops import ATTENTION_FIELDS, attention_arguments, reference_arguments
 from kvq_ao.quant.codebook import nf_codebook
@@ -71,15 +71,17 @@ def _fixed_ranges(x, bits, cb, outliers):
     return codes, row(scale), row(zero), out_val, out_idx, ONE_ROW
 
 
-def operand(x, side, bits, axis, group, codebook=False, outliers=0, query_bits=0, dtype=torch.float32) -> Operand:
+def operand(x, side, bits, axis, group, codebook=False, outliers=0, query_bits=0, meta8=False, dtype=torch.float32) -> Operand:
     """K or V of x [B, H, T, D] (float32) in a format with side entries `side`, as an attention
     operand (bits 0: a float body; group FIXED with the channel axis: calibrated ranges;
-    query_bits 8 / 16: keys scored against an int8 / int16 query).
+    query_bits 8 / 16: keys scored against an int8 / int16 query; meta8: 8-bit scale and zero,
+    per-token groups, at the format's default exponent).
     Outlier thresholds of +-1.5 make a few entries per vector outliers; model-dtype fields (a float
     body, outlier values) are in `dtype`."""
     fixed = group == FIXED and axis == AXIS_CHANNEL and bits
     group = 16 if group == FIXED and not fixed else group
-    fields = dict(bits=bits, axis=axis, group=group, query_bits=query_bits, codes=x.to(dtype), scale=None, zero=None,
+    meta = meta_ints(default_meta_exponent(bits, codebook and bits <= 4)) if meta8 else FLOAT_META
+    fields = dict(bits=bits, axis=axis, group=group, query_bits=query_bits, meta=meta, codes=x.to(dtype), scale=None, zero=None,
                   codebook=None, out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
     if bits:
         cb = nf_codebook(bits) if codebook and bits <= 4 else None
@@ -89,7 +91,7 @@ def operand(x, side, bits, axis, group, codebook=False, outliers=0, query_bits=0
             codes, scale, zero, out_val, out_idx, fields["group"] = _fixed_ranges(x, bits, cb, outliers)
         else:
             codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
-                x, format_ints(bits, axis, group), torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
+                x, format_ints(bits, axis, group, 0, meta), torch.float16, cb if cb is not None else torch.zeros(0), lo, hi, outliers
             )
         fields.update(codes=codes, scale=scale, zero=zero, codebook=cb)
         if outliers:
@@ -369,6 +371,17 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
     "int16-query-k3-g8-bf16": dict(k_fmt=(3, AXIS_CHANNEL, 8, False, 1, 16), dtype=torch.bfloat16, window=40),
     "int16-query-k8-calibrated-rows-softcap": dict(k_fmt=(8, AXIS_CHANNEL, FIXED, False, 1, 16), blocks=9, softcap=2.5),
     "int16-query-k2-gqa8-d128": dict(k_fmt=(2, AXIS_CHANNEL, 16, False, 0, 16), ratio=8, hkv=1, d=128, blocks=6),
+    # 8-bit scale and zero (k_fmt's 7th field) in per-token groups: a group a vector (rotated formats),
+    # two a vector, codebooks, outliers, pre-RoPE keys, float16
+    **{f"meta8-k{b}v{b}-{'codebook' if cb else 'uniform'}": dict(k_fmt=(b, AXIS_TOKEN, 64, cb, 0, 0, True),
+                                                                v_fmt=(b, AXIS_TOKEN, 64, cb, 0, 0, True))
+       for b in (2, 3, 4, 8) for cb in ((False, True) if b <= 4 else (False,))},
+    "meta8-g32-outliers": dict(k_fmt=(4, AXIS_TOKEN, 32, False, 1, 0, True), v_fmt=(3, AXIS_TOKEN, 32, True, 1, 0, True), blocks=9,
+                               head_mask=True),
+    "meta8-values-calibrated-key-rows-pre-rope": dict(k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(2, AXIS_TOKEN, 64, False, 0, 0, True),
+                                                      pre_rope=True, blocks=9),
+    "meta8-float16-d128": dict(ratio=1, d=128, k_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True), v_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True),
+                               dtype=torch.float16),
 }
 
 

@@ -470,6 +470,7 @@ struct OperandArgs {
   View side;      // full-precision entries (sink, recent window)
   int64_t bits = kvq_format::kFloatBits, axis = kvq_format::kAxisToken, group = 1;
   int64_t query_bits = kvq_format::kFloatQuery;  // how keys are scored (kvq_ao/format.py)
+  int64_t meta = kvq_format::kFloatMeta;         // how scale and zero are stored (kvq_ao/format.py)
 };
 
 // The kernel's arguments: the two operands and the fields they share (ATTENTION_SCHEMA, kvq_ao/ops.py).
@@ -548,6 +549,7 @@ OperandArgs operand_of(const char* name, const List& tensors, const Ints& format
   check(o.codes.present && o.side.present, name, " needs its codes and side tensors (got None)");
   o.bits = format[kvq_format::BITS], o.axis = format[kvq_format::AXIS], o.group = format[kvq_format::GROUP];
   o.query_bits = format[kvq_format::QUERY_BITS];
+  o.meta = format[kvq_format::META];
   return o;
 }
 
@@ -620,6 +622,18 @@ struct Operand {
   bool codebook = false;
   bool int_query = false;                         // keys scored against an integer query (kvq_format::kInt8Query, kInt16Query)
   int32_t query_levels = 0;                       // its steps a side (127: int8; 32512: int16, two int8 digits)
+  bool meta8 = false;                             // scale and zero as 8-bit codes (kvq_format::is_meta8), per-token groups
+  float meta_scale[256] = {};                     // what a scale code decodes to: 2^e * kScaleTable[s]
+  float meta_levels = 0.f;                        // L of the zero's decoding: 2^bits - 1, or 1 with a codebook
+
+  // 8-bit metadata of n groups (scale codes s, zero codes z) as floats: scale = S[s],
+  // zero = -(scale * float(L * z)) * 2^-8, in float32 as kvq_ao/format.py writes it.
+  void decode_meta(const uint8_t* s, const uint8_t* z, int64_t n, float* scale, float* zero) const {
+    for (int64_t i = 0; i < n; ++i) {
+      scale[i] = meta_scale[s[i]];
+      zero[i] = -(scale[i] * (meta_levels * static_cast<float>(z[i]))) * (1.0f / kvq_format::kZeroSteps);
+    }
+  }
 
   // The fast paths (defined below): keys with per-channel groups scored from their levels, values
   // with per-token groups accumulated from their levels.
@@ -696,6 +710,19 @@ struct Operand {
   void token_meta(int64_t bh, int64_t T, int64_t t0, int count, Scratch& tmp) const {
     const int groups = dim / group;
     const int64_t meta = (bh * T + t0) * groups;
+    if (meta8) {
+      if (groups == 1) {
+        decode_meta(reinterpret_cast<const uint8_t*>(scale_p) + meta, reinterpret_cast<const uint8_t*>(zero_p) + meta, count,
+                    tmp.tile_scale, tmp.tile_zero);
+        return;
+      }
+      for (int j = 0; j < count; ++j)
+        for (int g = 0; g < groups; ++g)
+          decode_meta(reinterpret_cast<const uint8_t*>(scale_p) + meta + j * groups + g,
+                      reinterpret_cast<const uint8_t*>(zero_p) + meta + j * groups + g, 1, tmp.tile_scale + g * kTile + j,
+                      tmp.tile_zero + g * kTile + j);
+      return;
+    }
     if (groups == 1) {  // already [token] rows
       load_floats(scale_p + meta * scale_size, scale_t, count, tmp.tile_scale);
       load_floats(zero_p + meta * zero_size, zero_t, count, tmp.tile_zero);
@@ -1478,13 +1505,23 @@ inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim
     auto is_meta = [&](const View& v) {
       return v.dim == 4 && v.sizes[0] == meta[0] && v.sizes[1] == meta[1] && v.sizes[2] == meta[2] && v.sizes[3] == meta[3];
     };
-    check(is_meta(scale) && is_meta(zero) && is_float(scale.dtype) && is_float(zero.dtype), name, "_scale and ", name,
-          "_zero must be float [", meta[0], ", ", meta[1], ", ", meta[2], ", ", meta[3], "], got ", scale.shape(), " and ", zero.shape());
+    o.meta8 = kvq_format::is_meta8(in.meta);
+    check(!o.meta8 || (!o.per_channel && in.meta >= kvq_format::kMetaOffset - 90 && in.meta <= kvq_format::kMetaOffset + 90), name,
+          " meta must be ", kFloatMeta, " (float scale and zero) or ", kvq_format::kMetaOffset, " + e, e in [-90, 90], with per-token "
+          "groups (8-bit), got ", in.meta, " with axis ", axis);
+    const bool meta_dtypes = o.meta8 ? scale.dtype == DType::Byte && zero.dtype == DType::Byte : is_float(scale.dtype) && is_float(zero.dtype);
+    check(is_meta(scale) && is_meta(zero) && meta_dtypes, name, "_scale and ", name, "_zero must be ", o.meta8 ? "uint8" : "float", " [",
+          meta[0], ", ", meta[1], ", ", meta[2], ", ", meta[3], "], got ", scale.shape(), " ", dtype_name(scale.dtype), " and ",
+          zero.shape(), " ", dtype_name(zero.dtype));
     if (codebook.present) {
       check(bits <= 4 && codebook.dim == 1 && codebook.numel() == (1 << bits) && is_float(codebook.dtype), "a ", bits, "-bit ", name,
             " codebook must hold ", (1 << bits), " float levels, got ", codebook.shape());
       load_floats(codebook.data, codebook.dtype, 1 << bits, o.levels);
       o.codebook = true;
+    }
+    if (o.meta8) {
+      for (int c = 0; c < 256; ++c) o.meta_scale[c] = std::ldexp(kvq_format::kScaleTable[c], static_cast<int>(in.meta - kvq_format::kMetaOffset));
+      o.meta_levels = o.codebook ? 1.f : static_cast<float>((1 << bits) - 1);
     }
     o.scale_p = scale.bytes();
     o.zero_p = zero.bytes();

@@ -135,6 +135,7 @@ void run_quantize_case(Reader& r, const std::string& out_path) {
 void run_groups_case(Reader& r, const std::string& out_path) {
   const HostTensor x = r.required();
   const int64_t bits = r.get<int64_t>(), axis = r.get<int64_t>(), group = r.get<int64_t>(), scale_type = r.get<int64_t>();
+  const int64_t meta = r.get<int64_t>();  // kvq_format: 8-bit scale and zero unless kFloatMeta
   const HostTensor mids = r.required(), lo = r.required(), hi = r.required();
   const int64_t slots = r.get<int64_t>();
   if (x.dim() != 4 || x.size(3) > kvq_core::kMaxDim || !kvq_format::is_packed_bits(bits) || scale_type < 0 || scale_type > 2)
@@ -144,12 +145,18 @@ void run_groups_case(Reader& r, const std::string& out_path) {
   const int64_t block = kvq_format::is_one_row(axis, group) ? tokens : group;
   if (block <= 0 || (channel ? tokens % block : dim % group)) throw std::runtime_error(r.path + ": the groups do not tile x");
   const int64_t metas = channel ? slices * (tokens / block) * dim : rows * (dim / group);
-  const size_t meta_bytes = static_cast<size_t>(metas) * (scale_type == 2 ? 4 : 2);
+  const bool meta8 = kvq_format::is_meta8(meta);
+  if (meta8 && channel) throw std::runtime_error(r.path + ": 8-bit metadata codes per-token groups");
+  const size_t meta_bytes = static_cast<size_t>(metas) * (meta8 ? 1 : scale_type == 2 ? 4 : 2);
   std::vector<uint8_t> codes(static_cast<size_t>(rows * kvq_core::packed_bytes(dim, bits))), scale(meta_bytes), zero(meta_bytes);
   std::vector<float> out_val(static_cast<size_t>(rows * slots));
   std::vector<uint8_t> out_idx(static_cast<size_t>(rows * slots));
   const int64_t n_mids = mids.dim() ? mids.size(0) : 0;
   const bool by_channel = lo.dim() && lo.size(0) > 0;
+  const int64_t levels = n_mids ? 1 : (int64_t{1} << bits) - 1;
+  const std::optional<kvq_core::Meta8> coder =
+      meta8 ? std::optional<kvq_core::Meta8>(std::in_place, static_cast<int>(meta - kvq_format::kMetaOffset), static_cast<int>(levels))
+            : std::nullopt;
   const int64_t clamped = kvq_core::quantize_groups<float>(
       floats(x, "x", rows * dim), slices, tokens, heads, static_cast<int>(dim), static_cast<int>(bits), channel,
       static_cast<int>(channel ? block : group), static_cast<kvq_core::ScaleType>(scale_type),
@@ -157,7 +164,7 @@ void run_groups_case(Reader& r, const std::string& out_path) {
       by_channel ? floats(hi, "hi", heads * dim) : nullptr, static_cast<int>(slots), codes.data(), scale.data(), zero.data(),
       out_val.data(), out_idx.data(), [](int64_t n, const auto& fn) {
         for (int64_t i = 0; i < n; ++i) fn(i, i + 1);
-      });
+      }, coder ? &*coder : nullptr);
   std::ofstream o(out_path, std::ios::binary);
   o.write(reinterpret_cast<const char*>(&clamped), sizeof(clamped));
   write_blob(o, codes.data(), static_cast<int64_t>(codes.size()));

@@ -9,6 +9,8 @@
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <omp.h>
 
+#include <optional>
+
 #include "attention_core.h"
 #include "quantize_core.h"
 
@@ -82,6 +84,10 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
     kvq_core::check(format.size() == kvq_format::kIntFields, "kvq::quantize.out: a format lists ", kvq_format::kIntFields, " ints");
     const int64_t bits = format[kvq_format::BITS], axis = format[kvq_format::AXIS], group = format[kvq_format::GROUP];
     kvq_core::check(kvq_format::is_packed_bits(bits), "kvq::quantize.out: bits must be one of ", kvq_format::kPackedBitsText);
+    const int64_t meta = format[kvq_format::META];
+    const bool meta8 = kvq_format::is_meta8(meta);
+    kvq_core::check(!meta8 || (axis == kvq_format::kAxisToken && meta >= kvq_format::kMetaOffset - 90 && meta <= kvq_format::kMetaOffset + 90),
+                    "kvq::quantize.out: 8-bit metadata codes per-token groups, with meta ", kvq_format::kMetaOffset, " + e, e in [-90, 90]");
     kvq_core::check(x.scalar_type() == ScalarType::Float && x.dim() == 4, "kvq::quantize.out: x must be float32 [B, H, T, D]");
     const bool channel = axis == kvq_format::kAxisChannel;
     const int64_t B = x.size(0), H = x.size(1), tokens = x.size(2), dim = x.size(3);
@@ -109,20 +115,25 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
     else expect_shape(scale, "scale", {B, H, tokens, dim / group}), expect_shape(zero, "zero", {B, H, tokens, dim / group});
     expect_shape(out_val, "out_val", {B, H, tokens, n_outliers});
     expect_shape(out_idx, "out_idx", {B, H, tokens, n_outliers});
-    kvq_core::check(scale.scalar_type() == scale_dtype && zero.scalar_type() == scale_dtype && out_val.scalar_type() == ScalarType::Float &&
+    const ScalarType stored = meta8 ? ScalarType::Byte : scale_dtype;
+    kvq_core::check(scale.scalar_type() == stored && zero.scalar_type() == stored && out_val.scalar_type() == ScalarType::Float &&
                         out_idx.scalar_type() == ScalarType::Byte && codes.scalar_type() == ScalarType::Byte &&
                         clamped.scalar_type() == ScalarType::Long && clamped.numel() == 1,
                     "kvq::quantize.out: an output has the wrong dtype");
     const float* xp = x.const_data_ptr<float>();
     refuse_non_finite(xp, x.numel());
     int64_t n_clamped = 0;
+    const std::optional<kvq_core::Meta8> coder =
+        meta8 ? std::optional<kvq_core::Meta8>(std::in_place, static_cast<int>(meta - kvq_format::kMetaOffset),
+                                               codebook.numel() ? 1 : (1 << bits) - 1)
+              : std::nullopt;
     if (x.numel() > 0)
       n_clamped = kvq_core::quantize_groups<float>(
           xp, B * H, tokens, n_outliers > 0 ? H : 1, static_cast<int>(dim), static_cast<int>(bits), channel,
           static_cast<int>(channel ? block : group), st, mids.data(), static_cast<int>(mids.size()),
           by_channel ? lo.const_data_ptr<float>() : nullptr, by_channel ? hi.const_data_ptr<float>() : nullptr,
           static_cast<int>(n_outliers), codes.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr(), zero.mutable_data_ptr(),
-          out_val.mutable_data_ptr<float>(), out_idx.mutable_data_ptr<uint8_t>(), omp_tasks);
+          out_val.mutable_data_ptr<float>(), out_idx.mutable_data_ptr<uint8_t>(), omp_tasks, coder ? &*coder : nullptr);
     clamped.mutable_data_ptr<int64_t>()[0] = n_clamped;
   } catch (const std::invalid_argument& e) {
     ET_LOG(Error, "%s", e.what());

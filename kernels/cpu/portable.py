@@ -182,15 +182,16 @@ def write_groups_case(x: torch.Tensor, format: list[int], scale_dtype: torch.dty
         raise ValueError(f"the portable runner codes float32 x [B, H, T, D], got {x.dtype} {list(x.shape)}")
     cb = codebook.float()
     mids = (cb[1:] + cb[:-1]) * 0.5 if cb.numel() else torch.zeros(0)
-    bits, axis, group, _ = format_of(format)  # how keys are scored is not the quantizer's concern
-    parts = [b"KVQG", struct.pack("<i", CASE_VERSION), _tensor(x), struct.pack("<4q", bits, axis, group, SCALE_TYPES[scale_dtype])]
+    bits, axis, group, _, meta = format_of(format)  # how keys are scored is not the quantizer's concern
+    parts = [b"KVQG", struct.pack("<i", CASE_VERSION), _tensor(x), struct.pack("<5q", bits, axis, group, SCALE_TYPES[scale_dtype], meta)]
     parts += [_tensor(t.float().contiguous()) for t in (mids, lo, hi)]
     parts.append(struct.pack("<q", n_outliers))
     path.write_bytes(b"".join(parts))
 
 
 def read_groups_output(path: Path, x_shape, meta_shape, scale_dtype: torch.dtype, n_outliers: int) -> tuple:
-    """(codes, scale, zero, out_val, out_idx, clamped) as `kvq.quantize` returns them, from the runner's output."""
+    """(codes, scale, zero, out_val, out_idx, clamped) as `kvq.quantize` returns them, from the runner's
+    output (scale_dtype: what scale and zero are stored in, torch.uint8 for 8-bit metadata)."""
     clamped, blobs = _read_blobs(path, 5)
     rows = list(x_shape[:-1])
 

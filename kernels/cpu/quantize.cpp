@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -53,6 +54,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                     kvq_format::kAxisToken, " (token) or ", kvq_format::kAxisChannel, " (channel), got ", axis);
   TORCH_CHECK_VALUE(group > 0 || kvq_format::is_one_row(axis, group), "kvq: group size must be positive (or ", kvq_format::kOneRow,
                     ", one row for every position, with per-channel groups), got ", group);
+  const int64_t meta = format[kvq_format::META];
+  TORCH_CHECK_VALUE(!kvq_format::is_meta8(meta) || (meta >= kvq_format::kMetaOffset - 90 && meta <= kvq_format::kMetaOffset + 90),
+                    "kvq: meta must be ", kvq_format::kFloatMeta, " (float scale and zero) or ", kvq_format::kMetaOffset,
+                    " + e with e in [-90, 90] (8-bit), got ", meta);
+  TORCH_CHECK_VALUE(!kvq_format::is_meta8(meta) || axis == kvq_format::kAxisToken, "kvq: 8-bit metadata (meta ", meta,
+                    ") codes per-token groups of packed codes (their ranges contain 0), got axis ", axis);
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.is_floating_point(), "kvq: quantize takes floating-point x as [..., tokens, head_dim], got ",
                     x.scalar_type(), " ", x.sizes());
   const int64_t tokens = x.size(-2), dim = x.size(-1);
@@ -97,8 +104,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     return s;
   };
   at::Tensor codes = at::empty(shape({tokens, packed_bytes(dim, bits)}), x.options().dtype(at::kByte));
-  const auto meta = channel ? shape({tokens / block, dim}) : shape({tokens, dim / group});
-  at::Tensor scale = at::empty(meta, x.options().dtype(scale_dtype)), zero = at::empty(meta, x.options().dtype(scale_dtype));
+  const auto meta_shape = channel ? shape({tokens / block, dim}) : shape({tokens, dim / group});
+  const auto stored = kvq_format::is_meta8(meta) ? at::kByte : scale_dtype;
+  at::Tensor scale = at::empty(meta_shape, x.options().dtype(stored)), zero = at::empty(meta_shape, x.options().dtype(stored));
+  const std::optional<kvq_core::Meta8> meta8 = kvq_format::is_meta8(meta)
+      ? std::optional<kvq_core::Meta8>(std::in_place, static_cast<int>(meta - kvq_format::kMetaOffset), codebook.numel() ? 1 : (1 << bits) - 1)
+      : std::nullopt;
   at::Tensor out_val = at::empty(shape({tokens, n_outliers}), x.options());
   at::Tensor out_idx = at::empty(shape({tokens, n_outliers}), x.options().dtype(at::kByte));
   const int64_t slices = tokens ? xc.numel() / (tokens * dim) : 0;
@@ -111,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
           static_cast<int>(channel ? block : group), st, mids.data_ptr<float>(), static_cast<int>(mids.numel()),
           by_channel ? lo_f.data_ptr<float>() : nullptr, by_channel ? hi_f.data_ptr<float>() : nullptr, static_cast<int>(n_outliers),
           codes.data_ptr<uint8_t>(), scale.data_ptr(), zero.data_ptr(), out_val.data_ptr<scalar_t>(), out_idx.data_ptr<uint8_t>(),
-          [](int64_t n, const auto& fn) { at::parallel_for(0, n, 1, fn); });
+          [](int64_t n, const auto& fn) { at::parallel_for(0, n, 1, fn); }, meta8 ? &*meta8 : nullptr);
     });
   }
   return {codes, scale, zero, out_val, out_idx, at::scalar_tensor(clamped, x.options().dtype(at::kLong))};

@@ -158,6 +158,57 @@ inline void store_scale(void* out, int64_t i, float v, const ScaleInfo& si) {
   else static_cast<uint16_t*>(out)[i] = si.type == ScaleType::Half ? half_bits(v) : bfloat16_bits(v);  // v is exact there
 }
 
+// 8-bit metadata of per-token groups (kvq_ao/format.py, `meta`): the scale a code on a log grid
+// above 2^e, the zero a fraction z / 256 of the range below 0; coded by format.py's rule with
+// float32 multiplies and compares only, so these bytes are the reference's
+// (kvq_ao.quant.metadata.encode_range).
+struct Meta8 {
+  float scale[256];   // S[c] = 2^e * kScaleTable[c] (exact)
+  float scaled[256];  // fl(S[c] * L)
+  int levels;
+
+  Meta8(int exponent, int levels_) : levels(levels_) {
+    for (int c = 0; c < 256; ++c) {
+      scale[c] = std::ldexp(kvq_format::kScaleTable[c], exponent);
+      scaled[c] = scale[c] * static_cast<float>(levels);
+    }
+  }
+
+  float zero_of(float s, int z) const { return -(s * static_cast<float>(levels * z)) * (1.0f / kvq_format::kZeroSteps); }
+
+  // The smallest z in [0, 255] whose zero lies at or below lo (255 if none): zero_of falls as z grows.
+  int zero_code(float s, float lo) const {
+    int first = 0, last = kvq_format::kZeroSteps - 1;
+    if (zero_of(s, last) > lo) return last;
+    while (first < last) {
+      const int mid = (first + last) / 2;
+      if (zero_of(s, mid) <= lo) last = mid;
+      else first = mid + 1;
+    }
+    return first;
+  }
+
+  // The codes of a group with minimum lo and maximum hi, and the (zero, scale) they decode to.
+  void encode(float lo, float hi, uint8_t* s_code, uint8_t* z_code, float* zero, float* s) const {
+    lo = std::min(lo, 0.0f);
+    hi = std::max(hi, 0.0f);
+    const float span = hi - lo;
+    int c0 = 0;
+    for (int c = 0; c < 256; ++c) c0 += scaled[c] < span;
+    int c = 0, z = 0;
+    for (int step = 0; step < 3; ++step) {  // the first of c0, c0 + 1, c0 + 2 whose range covers [lo, hi], else the last
+      c = std::min(c0 + step, 255);
+      z = zero_code(scale[c], lo);
+      const float zr = zero_of(scale[c], z);
+      if (zr <= lo && zr + scaled[c] >= hi) break;
+    }
+    *s_code = static_cast<uint8_t>(c);
+    *z_code = static_cast<uint8_t>(z);
+    *s = scale[c];
+    *zero = zero_of(scale[c], z);
+  }
+};
+
 // The dense part of one vector and its outlier slots, as the reference's `quantize` splits it:
 // * lo/hi given (channel rule, `split_outliers`): entries clamped into their channel's range, the
 //   `slots` largest excesses kept (then the lowest other channels); returns the clamped count;
@@ -263,13 +314,14 @@ int64_t quantize_rows(const T* x, int64_t rows, int64_t tokens, int64_t heads, i
 // = tokens for one row over all positions), each group's own range (`group_range`), its entries
 // coded by uniform levels or codebook midpoints, packed per row. Scale and zero are written in
 // the scale dtype, [slices, tokens, dim / group] (token axis) or [slices, tokens / block, dim].
+// With `meta8` (token axis only) scale and zero are written as its uint8 codes instead.
 // Returns the clamped count. Work is split into units of rows that share no range: one row
 // (token axis) or one block of one slice (channel axis).
 template <typename T, typename ParallelFor>
 int64_t quantize_groups(const T* x, int64_t slices, int64_t tokens, int64_t heads, int dim, int bits, bool channel_axis,
                         int group, ScaleType scale_type, const float* mids, int n_mids, const float* lo, const float* hi,
                         int slots, uint8_t* codes, void* scale_out, void* zero_out, T* out_val, uint8_t* out_idx,
-                        ParallelFor&& parallel_for) {
+                        ParallelFor&& parallel_for, const Meta8* meta8 = nullptr) {
   const ScaleInfo si = scale_info(scale_type);
   const int row_bytes = packed_bytes(dim, bits);
   const int levels = n_mids > 0 ? 1 : (1 << bits) - 1;
@@ -304,6 +356,11 @@ int64_t quantize_groups(const T* x, int64_t slices, int64_t tokens, int64_t head
           for (int g = 0; g < groups; ++g) {
             float mn = dense[g * group], mx = mn;
             for (int c = g * group + 1; c < (g + 1) * group; ++c) mn = std::min(mn, dense[c]), mx = std::max(mx, dense[c]);
+            if (meta8) {
+              meta8->encode(mn, mx, static_cast<uint8_t*>(scale_out) + row0 * groups + g,
+                            static_cast<uint8_t*>(zero_out) + row0 * groups + g, &zero[g], &scale[g]);
+              continue;
+            }
             group_range(mn, mx, levels, si, &zero[g], &scale[g]);
             store_scale(zero_out, row0 * groups + g, zero[g], si);
             store_scale(scale_out, row0 * groups + g, scale[g], si);

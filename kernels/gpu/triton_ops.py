@@ -22,8 +22,10 @@ from torch.library import triton_op, wrap_triton
 
 from kvq_ao.kernels.gpu import triton_attention, triton_blocks, triton_decode
 from kvq_ao.kernels.gpu import triton_quantize as triton_quantize_kernels
+from kvq_ao import format as fmt
 from kvq_ao.format import OPERAND_TENSORS, Operand, midpoints
 from kvq_ao.ops import _check_attention, _check_quantize, _check_quantize_fixed, _meta_shapes, named_arguments
+from kvq_ao.quant import metadata
 from kvq_ao.quant.packing import packed_size
 
 BLOCK_T = 64  # body tokens per step of a chunk-attention program (a quarter for float32 models: FMA products)
@@ -125,6 +127,9 @@ def _operand_launch(o: Operand, prefix: str, dummy: torch.Tensor) -> tuple[dict,
     (`k_codes`, ...; absent ones replaced by a dummy pointer the kernel never reads) and its
     compile-time format."""
     tensors = {f"{prefix}_{name}": getattr(o, name) for name in OPERAND_TENSORS if name != "side"}
+    if o.meta8:  # 8-bit scale and zero: decoded to float32 before the launch (a pass over the metadata only)
+        levels = fmt.range_levels(o.bits, o.codebook is not None)
+        tensors[f"{prefix}_scale"], tensors[f"{prefix}_zero"] = metadata.decode(o.scale, o.zero, levels, fmt.meta_exponent(o.meta))
     tensors = {name: dummy if t is None else t.contiguous() for name, t in tensors.items()}
     if o.codebook is not None:
         tensors[f"{prefix}_codebook"] = tensors[f"{prefix}_codebook"].float()
@@ -232,10 +237,12 @@ QUANTIZE_ROWS = 16  # vectors per per-token quantize program
 _SCALE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def quantize_supported(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype) -> bool:
-    """Whether the Triton quantize serves this format (its tiles need power-of-two head_dim and group)."""
+def quantize_supported(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype, meta: int = fmt.FLOAT_META) -> bool:
+    """Whether the Triton quantize serves this format (its tiles need power-of-two head_dim and group;
+    it stores float scales and zeros, not 8-bit ones)."""
     d = x.shape[-1]
-    return d == triton.next_power_of_2(d) and group == triton.next_power_of_2(group) and scale_dtype in _SCALE_CODES
+    return (d == triton.next_power_of_2(d) and group == triton.next_power_of_2(group) and scale_dtype in _SCALE_CODES
+            and not fmt.is_meta8(meta))  # fmt: skip
 
 
 @triton_op("kvq::triton_quantize", mutates_args=())
@@ -246,9 +253,11 @@ def triton_quantize(
     """`kvq::quantize` (same arguments, bit-identical results) in Triton: x [B, H, T, D] float ->
     (codes, scale, zero, outlier values, outlier indices, clamped count)."""
     bits, axis, group = _check_quantize(x, format, codebook, lo, hi, n_outliers)
-    if not quantize_supported(x, axis, group, scale_dtype):
+    meta = fmt.format_of(format)[4]
+    if not quantize_supported(x, axis, group, scale_dtype, meta):
         raise ValueError(f"kvq.triton_quantize needs a power-of-two head_dim and group and a float16/bfloat16/float32 "
-                         f"scale dtype; got head_dim {x.shape[-1]}, group {group}, {scale_dtype} (use kvq.quantize)")  # fmt: skip
+                         f"scale dtype (float metadata); got head_dim {x.shape[-1]}, group {group}, {scale_dtype}, meta {meta} "
+                         f"(use kvq.quantize)")  # fmt: skip
     b, h, t, d = x.shape
     x = x.contiguous()
     code_shape, meta_shape = _meta_shapes(x.shape, bits, axis, group)

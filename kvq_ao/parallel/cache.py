@@ -83,7 +83,7 @@ class SegmentedBody:
     def clamped(self, count: int) -> None:  # a crop restores the count with the rest
         self.store.clamped = count
 
-    def op_format(self) -> tuple[int, int, int]:
+    def op_format(self) -> tuple[int, int, int, int, int]:
         return self.store.op_format()
 
     def tensors(self):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from kvq_ao.quant.packing import pack, unpack_float
-from kvq_ao.quant.uniform import _grouped, _reduce_dim, check_shape, group_range
+from kvq_ao.format import FLOAT_META
+from kvq_ao.quant.uniform import _grouped, _reduce_dim, check_shape, read_range, stored_range
 
 CODEBOOK_BITS = (2, 3, 4)
 
@@ -52,14 +53,15 @@ def nf_codebook(bits: int) -> torch.Tensor:
     return levels.to(torch.float32)
 
 
-def normalize(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype = torch.float16):
-    """x [..., T, D] -> (u grouped, scale, zero, reduced dim): each group mapped onto [0, 1] by its
-    stored range. Shared by quantization and by calibration, which fits levels to these u."""
+def normalize(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype = torch.float16, meta: int = FLOAT_META):
+    """x [..., T, D] -> (u grouped, scale, zero as stored, reduced dim): each group mapped onto
+    [0, 1] by its stored range. Shared by quantization and by calibration, which fits levels to
+    these u."""
     g = _grouped(x.float(), axis, group)
     dim = _reduce_dim(axis)
-    zero, scale = group_range(g, dim, 1, scale_dtype)
+    zero, scale, scale_out, zero_out = stored_range(g, dim, 1, scale_dtype, meta)
     u = (g - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))
-    return u, scale, zero, dim
+    return u, scale_out, zero_out, dim
 
 
 def nearest_level(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -76,13 +78,13 @@ def nearest_level(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_codebook(x: torch.Tensor, codebook: torch.Tensor, bits: int, axis: int, group: int,
-                      scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                      scale_dtype: torch.dtype = torch.float16, meta: int = FLOAT_META) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [..., T, D] -> (packed codes, scale, zero), scale = group range, zero = group minimum."""
     *_, t, d = x.shape
     check_shape(t, d, axis, group)
-    u, scale, zero, dim = normalize(x, axis, group, scale_dtype)
+    u, scale, zero, dim = normalize(x, axis, group, scale_dtype, meta)
     codes = nearest_level(u, codebook).reshape(x.shape).to(torch.uint8)
-    return pack(codes, bits), scale.squeeze(dim).to(scale_dtype), zero.squeeze(dim).to(scale_dtype)
+    return pack(codes, bits), scale, zero
 
 
 def _select_levels(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,7 @@ def _select_levels(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
 
 def dequantize_codebook(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codebook: torch.Tensor,
                         bits: int, axis: int, group: int, out_dtype: torch.dtype = torch.float32,
-                        select_levels: bool = False) -> torch.Tensor:  # fmt: skip
+                        select_levels: bool = False, meta: int = FLOAT_META) -> torch.Tensor:  # fmt: skip
     """Inverse of `quantize_codebook`: -> [..., T, D] in out_dtype.
 
     `select_levels` looks levels up by 2^bits selects instead of a gather: the same values, and
@@ -106,7 +108,8 @@ def dequantize_codebook(packed: torch.Tensor, scale: torch.Tensor, zero: torch.T
     levels = _select_levels(codes, codebook.float()) if select_levels else codebook.float()[codes.long()]
     g = _grouped(levels, axis, group)
     dim = _reduce_dim(axis)
-    x = g * scale.unsqueeze(dim).float() + zero.unsqueeze(dim).float()
+    scale, zero = read_range(scale, zero, 1, meta)
+    x = g * scale.unsqueeze(dim) + zero.unsqueeze(dim)
     return x.reshape(codes.shape).to(out_dtype)
 
 

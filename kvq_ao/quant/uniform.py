@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, PACKED_BITS, check_format, is_one_row  # noqa: F401  (re-exported)
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, FLOAT_META, ONE_ROW, PACKED_BITS, check_format, is_meta8, is_one_row, meta_exponent  # noqa: F401  (re-exported)
+from kvq_ao.quant import metadata
 from kvq_ao.quant.packing import pack, unpack_float
 
 
@@ -99,23 +100,43 @@ def fixed_range(lo: torch.Tensor, hi: torch.Tensor, levels: int, scale_dtype: to
     return zero.squeeze(-2).to(scale_dtype), scale.squeeze(-2).to(scale_dtype)
 
 
+def stored_range(g: torch.Tensor, dim: int, levels: int, scale_dtype: torch.dtype, meta: int = FLOAT_META):
+    """(zero, scale) float32 each group of g along `dim` (kept) is coded against, and (scale, zero)
+    as stored: in `scale_dtype`, or as uint8 codes with 8-bit metadata (`meta`, per-token groups;
+    `kvq_ao.quant.metadata`)."""
+    if is_meta8(meta):
+        check_format(PACKED_BITS[0], AXIS_TOKEN if dim == -1 else AXIS_CHANNEL, 1, meta=meta)
+        zero, scale, z, s = metadata.group_range8(g, dim, levels, meta_exponent(meta))
+        return zero, scale, s.squeeze(dim), z.squeeze(dim)
+    zero, scale = group_range(g, dim, levels, scale_dtype)
+    return zero, scale, scale.squeeze(dim).to(scale_dtype), zero.squeeze(dim).to(scale_dtype)
+
+
+def read_range(scale: torch.Tensor, zero: torch.Tensor, levels: int, meta: int = FLOAT_META) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) float32 of stored metadata (floats, or 8-bit codes decoded)."""
+    if is_meta8(meta):
+        return metadata.decode(scale, zero, levels, meta_exponent(meta))
+    return scale.float(), zero.float()
+
+
 def quantize_uniform(
-    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype = torch.float16
+    x: torch.Tensor, bits: int, axis: int, group: int, scale_dtype: torch.dtype = torch.float16, meta: int = FLOAT_META
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize x [..., T, D] -> (packed uint8 [..., T, D*bits/8], scale, zero).
 
-    Constant groups (zero range) get scale 0 and reproduce their value exactly as `zero`.
+    Constant groups (zero range) get scale 0 and reproduce their value exactly as `zero` (with
+    float metadata; 8-bit metadata codes them against its smallest scale).
     """
     *_, t, d = x.shape
     check_shape(t, d, axis, group)
     levels = 2**bits - 1
     g = _grouped(x.float(), axis, group)
     dim = _reduce_dim(axis)
-    zero, scale = group_range(g, dim, levels, scale_dtype)
+    zero, scale, scale_out, zero_out = stored_range(g, dim, levels, scale_dtype, meta)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((g - zero) / safe).clamp(0.0, float(levels))
     codes = codes.reshape(x.shape).to(torch.uint8)
-    return pack(codes, bits), scale.squeeze(dim).to(scale_dtype), zero.squeeze(dim).to(scale_dtype)
+    return pack(codes, bits), scale_out, zero_out
 
 
 def dequantize_uniform(
@@ -126,13 +147,16 @@ def dequantize_uniform(
     axis: int,
     group: int,
     out_dtype: torch.dtype = torch.float32,
+    meta: int = FLOAT_META,
 ) -> torch.Tensor:
     """Inverse of `quantize_uniform`: -> [..., T, D] in out_dtype."""
     codes = unpack_float(packed, bits)
     g = _grouped(codes, axis, group)
     dim = _reduce_dim(axis)
-    x = g * scale.unsqueeze(dim).to(torch.float32) + zero.unsqueeze(dim).to(torch.float32)
+    scale, zero = read_range(scale, zero, 2**bits - 1, meta)
+    x = g * scale.unsqueeze(dim) + zero.unsqueeze(dim)
     return x.reshape(codes.shape).to(out_dtype)
 
 
-__all__ = ["ONE_ROW", "check_shape", "dequantize_uniform", "fixed_range", "group_range", "quantize_uniform", "AXIS_CHANNEL", "AXIS_TOKEN"]
+__all__ = ["ONE_ROW", "check_shape", "dequantize_uniform", "fixed_range", "group_range", "quantize_uniform", "read_range", "stored_range",
+           "AXIS_CHANNEL", "AXIS_TOKEN"]

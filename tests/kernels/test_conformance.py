@@ -28,7 +28,7 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, format_ints
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, FLOAT_META, ONE_ROW, default_meta_exponent, format_ints, meta_ints
 from kvq_ao.quant.codebook import nf_codebook
 from kvq_ao.kernels import cpu, gpu, reference
 from kvq_ao.ops import attention_arguments, reference_arguments
@@ -329,11 +329,17 @@ def test_quantize_is_bit_identical_to_the_reference(backend, bits, axis, group, 
     bfloat16 and float32 scales (float32 input: no ties between entries)."""
     op = _quantizer(backend, 0)
     x, *rest = quantize_case(bits, bits, axis, group, codebook, outliers, t=48 if axis == AXIS_CHANNEL else 37)
-    for scale_dtype in (torch.float16, torch.bfloat16, torch.float32):
-        got = op(x, rest[0], scale_dtype, *rest[1:])
-        want = reference.quantize(x, rest[0], scale_dtype, *rest[1:])
+    stored = [(scale_dtype, FLOAT_META) for scale_dtype in (torch.float16, torch.bfloat16, torch.float32)]
+    if axis == AXIS_TOKEN and backend != "triton-interpreter":  # (Triton's quantize stores float metadata: the cache takes
+        # kvq.quantize for 8-bit formats on a GPU, kvq_ao.kernels.gpu.quantize_op)
+        # 8-bit scale and zero: at the default exponent, and one whose smallest scale is above most ranges
+        stored += [(torch.float16, meta_ints(default_meta_exponent(bits, codebook))), (torch.float16, meta_ints(-1))]
+    for scale_dtype, meta in stored:
+        fmt = [*rest[0][:-1], meta]
+        got = op(x, fmt, scale_dtype, *rest[1:])
+        want = reference.quantize(x, fmt, scale_dtype, *rest[1:])
         for name, a, b in zip(QUANTIZE_FIELDS, got, want):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs ({scale_dtype})"
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs ({scale_dtype}, meta {meta})"
 
 
 @pytest.mark.parametrize("backend", [n for n, (_, q, _) in QUANTIZERS.items() if q])
@@ -342,7 +348,7 @@ def test_quantize_is_bit_identical_to_the_reference(backend, bits, axis, group, 
        layout=st.sampled_from([(AXIS_TOKEN, 64), (AXIS_TOKEN, 16), (AXIS_CHANNEL, 16)]),
        outliers=st.sampled_from(["none", "channel", "vector"]), d=st.sampled_from([64, 128, 256]),
        magnitude=st.sampled_from([1e-9, 1e-6, 1e-3, 1.0, 3e3, 6e4, 1e6]), constant_groups=st.booleans(),
-       scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))  # fmt: skip
+       scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, "8-bit"]))  # fmt: skip
 # found by CI: a constant group ties per-vector outlier candidates; the reference's topk took channel
 # 12 before 0, every kernel 0 (the lower channel first, the rule)
 @example(seed=310, bits=2, codebook=False, layout=(AXIS_TOKEN, 64), outliers="vector", d=64, magnitude=1e-9, constant_groups=True,
@@ -351,8 +357,15 @@ def test_quantize_is_byte_identical_at_any_magnitude(backend, seed, bits, codebo
                                                     scale_dtype):  # fmt: skip
     """Scales and zeros at the edges of their dtype: subnormal float16 ranges (1e-9, 1e-6), ranges
     past float16's largest value (6e4, 1e6, where the stored range saturates), constant groups
-    (scale 0), head_dim up to 256 with outlier slots: every field byte for byte."""
+    (scale 0), head_dim up to 256 with outlier slots, 8-bit metadata below and above its scale
+    codes' span: every field byte for byte."""
     axis, group = layout
+    meta = FLOAT_META
+    assume(not (scale_dtype == "8-bit" and backend == "triton-interpreter"))  # Triton's quantize stores float metadata only
+    if scale_dtype == "8-bit":
+        if axis == AXIS_CHANNEL:
+            layout = axis, group = AXIS_TOKEN, 16  # 8-bit metadata codes per-token groups only
+        scale_dtype, meta = torch.float16, meta_ints(default_meta_exponent(bits, codebook and bits <= 4))
     if outliers == "vector" and axis == AXIS_CHANNEL:
         outliers = "channel"  # per-vector outliers need per-token groups (the op refuses the pair)
     op = _quantizer(backend, 0)
@@ -365,7 +378,7 @@ def test_quantize_is_byte_identical_at_any_magnitude(backend, seed, bits, codebo
     if outliers == "channel":
         lo, hi = -magnitude * (1 + torch.rand(3, d, generator=g)), magnitude * (1 + torch.rand(3, d, generator=g))
     k = {"none": 0, "channel": 3, "vector": 2}[outliers]
-    args = (x, format_ints(bits, axis, group), scale_dtype, nf_codebook(bits) if codebook and bits <= 4 else torch.zeros(0), lo, hi, k)
+    args = (x, format_ints(bits, axis, group, meta=meta), scale_dtype, nf_codebook(bits) if codebook and bits <= 4 else torch.zeros(0), lo, hi, k)
     got, want = op(*args), reference.quantize(*args)
     for name, a, b in zip(QUANTIZE_FIELDS, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{name} differs"

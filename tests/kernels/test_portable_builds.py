@@ -212,7 +212,7 @@ def _groups_cases(n: int) -> list[tuple]:
     uniform levels, per-token groups of 16/32/64 or per-channel blocks of 16 or one row for all
     positions, outliers none / by channel ranges / per vector, every scale dtype, magnitudes from
     float16-subnormal ranges to past float16's largest value."""
-    from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, ONE_ROW, format_ints
+    from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, FLOAT_META, ONE_ROW, default_meta_exponent, format_ints, meta_ints
     from kvq_ao.quant.codebook import nf_codebook
 
     layouts = [(AXIS_TOKEN, 64), (AXIS_TOKEN, 16), (AXIS_CHANNEL, 16), (AXIS_TOKEN, 32), (AXIS_CHANNEL, ONE_ROW)]
@@ -230,7 +230,9 @@ def _groups_cases(n: int) -> list[tuple]:
         k = {"none": 0, "channel": 2, "vector": 1 + seed % 3}[outliers]
         cb = nf_codebook(bits) if seed % 2 and bits <= 4 else torch.zeros(0)
         scale_dtype = [torch.float16, torch.bfloat16, torch.float32][seed % 3]
-        cases.append((x, format_ints(bits, axis, group), scale_dtype, cb, lo, hi, k))
+        # every third case of per-token groups with 8-bit scale and zero (magnitudes 1e-6 and 7e4 fall outside its codes' span)
+        meta = meta_ints(default_meta_exponent(bits, cb.numel() > 0)) if axis == AXIS_TOKEN and seed % 3 == 1 else FLOAT_META
+        cases.append((x, format_ints(bits, axis, group, meta=meta), scale_dtype, cb, lo, hi, k))
     return cases
 
 
@@ -243,6 +245,6 @@ def test_quantize_is_byte_identical_to_the_reference(built, name):
     cases = _groups_cases(30)
     for i, (case, out) in enumerate(zip(cases, _run_cases(built, name, "groups", cases, portable.write_groups_case))):
         want = reference.quantize(*case)
-        got = portable.read_groups_output(out, case[0].shape, list(want[1].shape), case[2], case[-1])
+        got = portable.read_groups_output(out, case[0].shape, list(want[1].shape), want[1].dtype, case[-1])
         for field, a, b in zip(("codes", "scale", "zero", "out_val", "out_idx", "clamped"), got, want):
             assert a.shape == b.shape and torch.equal(a, b.to(a.dtype)), f"case {i}: {field} differs"
