@@ -54,7 +54,7 @@ def _native_writers(x: torch.Tensor) -> bool:
 
 
 def _op_format(spec: QuantSpec) -> tuple[int, int, int, int, int]:
-    return encode(spec.bits, spec.axis_id, spec.group_size, query_bits=spec.query_bits)
+    return encode(spec.bits, spec.axis_id, spec.group_size, query_bits=spec.query_bits, meta=spec.meta)
 
 
 @dataclass
@@ -122,8 +122,9 @@ class _BodyStore:
         elif spec.is_quantized:
             self.codes = torch.zeros(b, h, capacity, packed_size(head_dim, spec.bits), dtype=torch.uint8, device=device)
             meta = (b, h, capacity, head_dim // spec.group_size) if spec.axis == "token" else (b, h, capacity // spec.group_size, head_dim)
-            self.scale = torch.zeros(meta, dtype=scale_dtype, device=device)
-            self.zero = torch.zeros(meta, dtype=scale_dtype, device=device)
+            stored = torch.uint8 if spec.metadata == "8-bit" else scale_dtype  # 8-bit metadata: one code each
+            self.scale = torch.zeros(meta, dtype=stored, device=device)
+            self.zero = torch.zeros(meta, dtype=stored, device=device)
         else:
             self.codes = torch.zeros(b, h, capacity, head_dim, dtype=dtype, device=device)
             self.scale = torch.zeros(0, dtype=scale_dtype, device=device)
@@ -142,7 +143,7 @@ class _BodyStore:
         format with one scale/zero row for all positions (`kvq_ao.format.ONE_ROW`, whatever the capacity, so a
         growing cache keeps one format and a compiled step its graph)."""
         return encode(self.spec.bits, self.spec.axis_id, self.spec.group_size, calibrated_rows=self.spec.calibrated_ranges,
-                      query_bits=self.spec.query_bits)  # fmt: skip
+                      query_bits=self.spec.query_bits, meta=self.spec.meta)  # fmt: skip
 
     def clear(self) -> None:
         """Forget every stored token (fixed calibrated ranges stay)."""
@@ -174,13 +175,13 @@ class _BodyStore:
     def _encode(self, x: torch.Tensor):
         if not self.spec.is_quantized:
             return x.to(self.codes.dtype), None, None, None, None, None
-        bits, axis, group, _, _ = _op_format(self.spec)
+        bits, axis, group, _, meta = _op_format(self.spec)
         if self.spec.calibrated_ranges:
             codes, out_val, out_idx, clamped = gpu_kernels.quantize_fixed_op(x)(
                 x, bits, self.fixed_zero, self.fixed_scale, self.codebook, self.lo, self.hi, self.n_outliers)  # fmt: skip
             return codes, None, None, out_val.to(self.out_val.dtype), out_idx, clamped
-        op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)
-        codes, scale, zero, out_val, out_idx, clamped = op(x, format_ints(bits, axis, group, FLOAT_QUERY), self.scale_dtype, self.codebook,
+        op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype, meta)
+        codes, scale, zero, out_val, out_idx, clamped = op(x, format_ints(bits, axis, group, FLOAT_QUERY, meta), self.scale_dtype, self.codebook,
                                                            self.lo, self.hi, self.n_outliers)  # fmt: skip
         return codes, scale, zero, out_val.to(self.out_val.dtype), out_idx, clamped
 

@@ -298,7 +298,7 @@ def normalized(x: torch.Tensor, spec: QuantSpec, sink: int, lo: torch.Tensor | N
         if spec.axis_id == AXIS_CHANNEL:  # the cache stands the block's last token in for sink tokens
             x = x.clone()
             x[:, :, :sink] = x[:, :, spec.group_size - 1 : spec.group_size]
-    u = normalize(x, spec.axis_id, spec.group_size)[0].reshape(x.shape)
+    u = normalize(x, spec.axis_id, spec.group_size, meta=spec.meta)[0].reshape(x.shape)  # against the range as stored
     return u.clamp(0.0, 1.0), keep
 
 

@@ -150,7 +150,7 @@ def cmd_tune(args) -> int:
     model, tokenizer = _load(args)
     ids = text_windows(tokenizer, pydoc_text("calib"), args.samples, args.seq_len)
     base = base_config(residual_length=args.residual, group_size=args.group, dtype=args.dtype, pre_rope_keys=args.pre_rope,
-                       side_dtype=args.side_dtype)  # fmt: skip
+                       side_dtype=args.side_dtype, metadata=args.metadata)  # fmt: skip
     profile_path = Path(args.profile) if args.profile else default_profile_path(model, base, ids)
     result = tune(model, ids, args.max_avg_bits, n_groups=args.groups, base=base, profile_path=profile_path,
                   trials=args.trials, log=_log, widths=args.widths)  # fmt: skip
@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "key ranges and outliers; each width calibrated once; --residual/--group/--pre-rope unused); "
                         "rot: the rotated presets' (rot-k4v3's layout: rotated per-vector keys and values, calibrated levels, "
                         "1-token sink, 112-token float16 window; the same arguments unused)")
+    p.add_argument("--metadata", choices=("float", "8-bit"), default="float",
+                   help="8-bit: one byte for each scale and zero of a per-token group (the values; rot's keys too), "
+                        "half of float16's (QuantSpec.metadata)")
     p.add_argument("--pre-rope", action="store_true", help="store keys before RoPE (KVQuant), rotated inside attention")
     p.add_argument("--side-dtype", choices=SIDE_DTYPES, default="model",
                    help="dtype of the full-precision window (16 bits halves its memory in a float32 model)")

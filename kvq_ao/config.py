@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvq_ao._torchao import AOBaseConfig
+from kvq_ao.format import FLOAT_META, default_meta_exponent, meta_ints
 from kvq_ao.quant.outliers import outlier_slots
 from kvq_ao.quant.packing import SUPPORTED_BITS
 from kvq_ao.quant.rotation import ROTATIONS
@@ -40,6 +41,9 @@ RANGES = ("online", "calibrated")
 # How attention scores keys: "float", q . dequantized key; "int8" / "int16", integer dot products of
 # the codes with the query rounded to int8 / int16 per head and scale row (`kvq_ao.format`, query_bits).
 SCORES = ("float", "int8", "int16")
+# How per-token groups store their scale and zero: "float" in the cache's scale_dtype, "8-bit" as one
+# byte each (kvq_ao/format.py's `meta`: a log-grid scale and the zero as a fraction of the range).
+METADATA = ("float", "8-bit")
 _QUERY_BITS = {"float": 0, "int8": 8, "int16": 16}
 CODEBOOK_BITS = (2, 3, 4)
 CONFIG_VERSION = 1
@@ -84,6 +88,12 @@ class QuantSpec:
           (256 times finer, about half the int8 path's speed-up). Needs uniform levels ("int") in
           per-channel groups and post-RoPE keys; it changes each score by the query's rounding
           (docs/integer_scores.md).
+    metadata: how per-token groups store their scale and zero. "float" in the cache's
+          `scale_dtype`; "8-bit" as one byte each (`kvq_ao.format`'s `meta`): the scale on a log
+          grid of 16 steps an octave (rounded up by at most 4.4%), the zero as a 1/256 fraction of
+          the range below 0, so each group's range is widened to contain 0 (a rotated vector's
+          always does). Half the bytes of float16 metadata: a quarter bit of every element at
+          head_dim 64 with one group a vector. Needs axis "token".
     """
 
     bits: int | None = None
@@ -97,6 +107,7 @@ class QuantSpec:
     ranges: str = "online"
     rotation: str = "none"
     scores: str = "float"
+    metadata: str = "float"
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
@@ -133,6 +144,11 @@ class QuantSpec:
         if self.scores != "float" and (self.bits is None or self.axis != "channel" or self.dtype != "int"):
             raise ValueError(f"scores {self.scores!r} needs quantized keys with uniform levels (dtype 'int') in per-channel groups "
                              f"(axis 'channel'), got bits {self.bits}, axis {self.axis!r}, dtype {self.dtype!r}")  # fmt: skip
+        if self.metadata not in METADATA:
+            raise ValueError(f"metadata must be one of {METADATA}, got {self.metadata!r}")
+        if self.metadata == "8-bit" and (self.bits is None or self.axis != "token"):
+            raise ValueError(f"metadata '8-bit' codes the scale and zero of per-token groups (axis 'token'; their ranges "
+                             f"contain 0), got bits {self.bits}, axis {self.axis!r}")  # fmt: skip
         if self.ranges == "calibrated" and self.axis != "channel":
             raise ValueError("ranges 'calibrated' needs axis 'channel' (it fixes each channel's range; per-token "
                              "groups take their range from each token)")  # fmt: skip
@@ -160,6 +176,14 @@ class QuantSpec:
     def query_bits(self) -> int:
         """How the kvq ops score keys of this spec (`kvq_ao.format`'s query_bits)."""
         return _QUERY_BITS[self.scores]
+
+    @property
+    def meta(self) -> int:
+        """How the kvq ops read this spec's scale and zero (`kvq_ao.format`'s meta): float, or 8-bit
+        codes at the format's default exponent for these levels."""
+        if self.metadata == "float" or not self.is_quantized:
+            return FLOAT_META
+        return meta_ints(default_meta_exponent(self.bits, self.dtype != "int"))
 
     @property
     def axis_id(self) -> int:
@@ -202,6 +226,7 @@ class QuantSpec:
         out += {"model": "", "float16": "/f16", "bfloat16": "/bf16"}[self.outlier_dtype] if self.outliers else ""
         grouping = "cal" if self.calibrated_ranges else f"{self.axis[0]}{self.group_size}"
         out += {"float": "", "int8": "-q8", "int16": "-q16"}[self.scores]
+        out += {"float": "", "8-bit": "-m8"}[self.metadata]
         return ("rot-" if self.rotation != "none" else "") + f"{kind}{self.bits}-{grouping}{out}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -222,12 +247,14 @@ class QuantSpec:
             d["rotation"] = self.rotation
         if self.scores != "float":
             d["scores"] = self.scores
+        if self.metadata != "float":
+            d["metadata"] = self.metadata
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
         _check_keys(d, {"bits", "axis", "group_size", "dtype", "outliers", "outlier_rule", "max_outliers", "outlier_dtype",
-                       "ranges", "rotation", "scores"},
+                       "ranges", "rotation", "scores", "metadata"},
                     "QuantSpec")
         bits = d.get("bits", None)
         bits = None if bits in (None, "none") else bits
@@ -235,7 +262,8 @@ class QuantSpec:
                    dtype=d.get("dtype", "int"), outliers=d.get("outliers", 0.0),
                    outlier_rule=d.get("outlier_rule", "channel"), max_outliers=d.get("max_outliers"),
                    outlier_dtype=d.get("outlier_dtype", "model"), ranges=d.get("ranges", "online"),
-                   rotation=d.get("rotation", "none"), scores=d.get("scores", "float"))  # fmt: skip
+                   rotation=d.get("rotation", "none"), scores=d.get("scores", "float"),
+                   metadata=d.get("metadata", "float"))  # fmt: skip
 
 
 FP = QuantSpec(bits=None)

@@ -1,6 +1,6 @@
 """Memory accounting for quantized KV caches, computed from the specs (not from the tensors).
 
-Counted: packed codes, scales and zero points, exact outliers (value + uint8 channel index per
+Counted: packed codes, scales and zero points (float, or one byte each with 8-bit metadata), exact outliers (value + uint8 channel index per
 slot), codebooks, the full-precision side store (sink tokens and
 the recent window, with their int64 positions), and the body's unused capacity. Bits per
 element divide all of that by the number of K and V elements the cache stands for, so a
@@ -30,7 +30,8 @@ def body_bytes(spec: QuantSpec, heads: int, head_dim: int, tokens: int, dtype_by
     value_bytes = dtype_bytes if spec.outlier_dtype == "model" else 2
     sparse = heads * tokens * spec.outlier_slots(head_dim) * (value_bytes + 1)
     codebook = 4 * 2**spec.bits if spec.dtype != "int" else 0
-    return codes + 2 * heads * meta_rows * scale_bytes + sparse + codebook
+    meta_bytes = 1 if spec.metadata == "8-bit" else scale_bytes  # 8-bit metadata: one byte a scale or zero
+    return codes + 2 * heads * meta_rows * meta_bytes + sparse + codebook
 
 
 def layer_bytes(spec: LayerKV, sink: int, residual: int, heads: int, head_dim: int, tokens: int,

@@ -275,12 +275,12 @@ def bounds_for(batch: int, q_pos: torch.Tensor, pad: list[int], window: int | No
 
 
 def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(0, 0), pre_rope=False, softcap=0.0,
-                   length=None, sink=1, residual=7, per_query=False, k_query_bits=0):  # fmt: skip
+                   length=None, sink=1, residual=7, per_query=False, k_query_bits=0, meta8=False):  # fmt: skip
     """A layer's cache of `length` tokens (capacity rounded up to 16s) with `tq` queries at its end:
     sink position 0 and the last `residual`-ish positions in the side store, the rest in the body.
     per_query: each query has its own body end (as the cache gives a prefill chunk), and the side
     store holds everything from the first query's body end on. k_query_bits 8 / 16: keys scored
-    against an int8 / int16 query."""
+    against an int8 / int16 query. meta8: per-token groups store 8-bit scale and zero."""
     g = torch.Generator().manual_seed(seed)
     length = length or max(tq, 1) + 40
     t = -(-length // 16) * 16 + 16
@@ -298,7 +298,7 @@ def streaming_case(seed, tq, k_fmt, v_fmt, hq=6, hkv=2, d=32, window=None, pad=(
     for prefix, (bits, axis, codebook, outliers, *group), scale in (("k", k_fmt, 2.0), ("v", v_fmt, 1.0)):
         x = torch.randn(2, hkv, t, d, generator=g) * scale
         named[prefix] = operand(x, sides[prefix], bits, axis, group[0] if group else 16, codebook,
-                                outliers if axis == AXIS_CHANNEL or bits else 0)  # fmt: skip
+                                outliers if axis == AXIS_CHANNEL or bits else 0, meta8=meta8 and bits > 0 and axis == AXIS_TOKEN)  # fmt: skip
     named["k"] = named["k"].replace(query_bits=k_query_bits)
     named["mask"] = bounds_for(2, torch.arange(length - tq, length), list(pad), window)
     return named
@@ -378,6 +378,8 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
        for b in (2, 3, 4, 8) for cb in ((False, True) if b <= 4 else (False,))},
     "meta8-g32-outliers": dict(k_fmt=(4, AXIS_TOKEN, 32, False, 1, 0, True), v_fmt=(3, AXIS_TOKEN, 32, True, 1, 0, True), blocks=9,
                                head_mask=True),
+    "meta8-pre-rope-keys-g16": dict(k_fmt=(3, AXIS_TOKEN, 16, True, 0, 0, True), v_fmt=(2, AXIS_TOKEN, 16, False, 0, 0, True),
+                                    pre_rope=True, blocks=9, body_end=16 * 9 - 5),
     "meta8-values-calibrated-key-rows-pre-rope": dict(k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(2, AXIS_TOKEN, 64, False, 0, 0, True),
                                                       pre_rope=True, blocks=9),
     "meta8-float16-d128": dict(ratio=1, d=128, k_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True), v_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True),
@@ -402,6 +404,8 @@ CHUNK_CASES = {  # id -> streaming_case arguments (tq, k format, v format, keywo
     "int8-query-calibrated-rows": (5, STREAM_FORMATS[8], STREAM_FORMATS[4], dict(k_query_bits=8, window=30)),
     "int16-query-k4-outliers": (9, STREAM_FORMATS[6], STREAM_FORMATS[3], dict(k_query_bits=16, per_query=True, length=150)),
     "int16-query-k2-per-query-ends": (17, STREAM_FORMATS[1], STREAM_FORMATS[4], dict(k_query_bits=16, per_query=True, length=120)),
+    "meta8-values-per-query-ends-pre-rope": (33, STREAM_FORMATS[2], STREAM_FORMATS[4], dict(meta8=True, per_query=True, pre_rope=True)),
+    "meta8-token-keys-and-values": (9, (3, AXIS_TOKEN, True, 1, 32), STREAM_FORMATS[3], dict(meta8=True, window=20, length=150)),
 }
 
 

@@ -148,6 +148,25 @@ def test_int8_key_scores_round_trip_label_and_are_checked():
         KVQuantConfig(default=LayerKV(spec, spec))
 
 
+def test_8bit_metadata_round_trips_labels_sets_the_format_and_is_checked():
+    """`metadata="8-bit"` survives JSON, shows in the label, gives the ops an 8-bit `meta` at the
+    default exponent of its levels, and is refused where groups run along channels or nothing is
+    quantized; `kvq tune`'s base takes it on its per-token groups only."""
+    from kvq_ao.format import FLOAT_META, default_meta_exponent, meta_exponent
+    from kvq_ao.tuning.profile import base_config
+
+    spec = QuantSpec(3, "token", 64, "nuq", rotation="hadamard", metadata="8-bit")
+    assert QuantSpec.from_dict(spec.to_dict()) == spec and spec.label().endswith("-m8")
+    assert "metadata" not in QuantSpec(3, "token", 64).to_dict() and QuantSpec(3, "token", 64).meta == FLOAT_META
+    assert meta_exponent(spec.meta) == default_meta_exponent(3, True) and meta_exponent(QuantSpec(2, "token", 32, metadata="8-bit").meta) == -9
+    for bad in (dict(bits=4, axis="channel"), dict(bits=None), dict(bits=4, metadata="4-bit")):
+        with pytest.raises(ValueError, match="metadata"):
+            QuantSpec(**{"metadata": "8-bit", **bad})
+    rot, kivi = base_config(dtype="rot", metadata="8-bit"), base_config(dtype="int", metadata="8-bit")
+    assert rot.default.key.metadata == rot.default.value.metadata == "8-bit"
+    assert (kivi.default.key.metadata, kivi.default.value.metadata) == ("float", "8-bit")  # per-channel keys keep float ranges
+
+
 def test_depth_spans_pick_layers_by_their_centre_for_any_layer_count(tmp_path):
     """A span holds the layers whose centre (i + 0.5) / n lies in [start, end): layers 0-7 and 15-22
     of 30, proportionally fewer of 8, none left out or doubled at the edges; the first span wins."""

@@ -12,20 +12,28 @@ from __future__ import annotations
 
 import torch
 
-from kvq_ao.format import ZERO_STEPS, scale_table
+from kvq_ao.format import SCALE_STEPS, ZERO_STEPS, scale_table
 
-_TABLE = torch.tensor(scale_table(), dtype=torch.float32)
-_Z = torch.arange(ZERO_STEPS, dtype=torch.float32)  # zero codes 0..255
+_OCTAVE = scale_table()[:SCALE_STEPS]  # float32(2**(i / 16)), i < 16: SCALE_TABLE[16 k + i] = 2**k * _OCTAVE[i]
 
 
-def scales(exponent: int, device=None) -> torch.Tensor:
-    """S[c] = 2**e * SCALE_TABLE[c], the 256 scales a code may hold (float32, exact)."""
-    return (_TABLE * 2.0**exponent).to(device)
+def scales(exponent: int, device=None, codes: torch.Tensor | None = None) -> torch.Tensor:
+    """S[c] = 2**e * SCALE_TABLE[c] (float32, exact) of `codes`, or of all 256 codes.
+
+    Built in the graph from the codes (16 selects of Python floats, times a power of two) rather
+    than read from a table tensor: an exported program then holds no constant tensor, and every
+    runtime computes the same exact values."""
+    c = torch.arange(256, device=device) if codes is None else codes.long()
+    within = c % SCALE_STEPS
+    fraction = torch.zeros(c.shape, dtype=torch.float32, device=c.device)
+    for i, value in enumerate(_OCTAVE):
+        fraction = torch.where(within == i, value, fraction)
+    return fraction * torch.pow(2.0, (c // SCALE_STEPS).float() + exponent)
 
 
 def decode(scale_code: torch.Tensor, zero_code: torch.Tensor, levels: int, exponent: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero) float32 of uint8 codes: scale = S[s], zero = -(scale * float(L * z)) * 2**-8."""
-    scale = scales(exponent, scale_code.device)[scale_code.long()]
+    scale = scales(exponent, codes=scale_code)
     zero = -(scale * (zero_code.float() * levels)) * (1.0 / ZERO_STEPS)
     return scale, zero
 
@@ -33,7 +41,8 @@ def decode(scale_code: torch.Tensor, zero_code: torch.Tensor, levels: int, expon
 def _zero_codes(scale: torch.Tensor, lo: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(z, zero): the smallest z in [0, 255] whose zero lies at or below lo (255 if none), a count
     over the 256 candidates (zero(z) falls as z grows)."""
-    candidates = -(scale.unsqueeze(-1) * (_Z.to(scale.device) * levels)) * (1.0 / ZERO_STEPS)
+    steps = torch.arange(ZERO_STEPS, device=scale.device).float() * levels
+    candidates = -(scale.unsqueeze(-1) * steps) * (1.0 / ZERO_STEPS)
     z = (candidates > lo.unsqueeze(-1)).sum(-1).clamp(max=ZERO_STEPS - 1)
     zero = -(scale * (z.float() * levels)) * (1.0 / ZERO_STEPS)
     return z, zero

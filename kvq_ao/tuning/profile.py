@@ -33,7 +33,7 @@ TUNE_DTYPES = ("int", "nf", "kvquant", "rot")
 
 
 def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: int = 32, dtype: str = "int",
-                pre_rope_keys: bool = False, side_dtype: str = "model") -> KVQuantConfig:  # fmt: skip
+                pre_rope_keys: bool = False, side_dtype: str = "model", metadata: str = "float") -> KVQuantConfig:  # fmt: skip
     """What every tuned layer shares: KIVI's axes and window (the uniform presets' layout), and the
     datatype of the 2- and 4-bit candidates ("int", or KVQuant's fixed NormalFloat levels "nf").
 
@@ -45,7 +45,15 @@ def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: in
     window), calibrated the same way; 8-bit candidates are uniform, still rotated.
 
     side_dtype holds the window in 16 bits ("float16"/"bfloat16"; `KVQuantConfig.side_dtype`), so a
-    tuned int config reaches the effective bits of the compact kvquant presets."""
+    tuned int config reaches the effective bits of the compact kvquant presets.
+
+    metadata "8-bit" stores the scale and zero of every per-token group of the base (the values,
+    and rot's keys) as one byte each (`QuantSpec.metadata`)."""
+    if metadata != "float":
+        base = base_config(residual_length, sink_tokens, group_size, dtype, pre_rope_keys, side_dtype)
+        lean = lambda spec: dataclasses.replace(spec, metadata=metadata) if spec.is_quantized and spec.axis == "token" else spec  # noqa: E731
+        layer = LayerKV(lean(base.default.key), lean(base.default.value))
+        return dataclasses.replace(base, default=layer, name=f"{base.name}-m8")
     if dtype not in TUNE_DTYPES:
         raise ValueError(f"dtype must be one of {TUNE_DTYPES}, got {dtype!r}")
     if dtype == "kvquant":

@@ -40,6 +40,7 @@ def default_profile_path(model, base: KVQuantConfig, ids: torch.Tensor, log=prin
     key = base.default.key
     variant = ("" if key.dtype == "int" else f"-{key.dtype}") + ("-prerope" if base.pre_rope_keys else "")
     variant += "" if base.side_dtype == "model" else f"-side-{base.side_dtype}"
+    variant += "" if base.default.value.metadata == "float" else "-m8"
     if base.needs_calibration:  # the whole layout (outliers, ranges, sink...) decides what gets profiled
         variant += "-" + hashlib.sha256(base.to_json_key().encode()).hexdigest()[:8]
     name = f"{model_key(model)}-r{base.residual_length}-g{key.group_size}{variant}-{ids.shape[0]}x{ids.shape[1]}.json"

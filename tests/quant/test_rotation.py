@@ -30,10 +30,10 @@ def test_rotation_spreads_an_outlier_channel_over_all_channels():
     assert peak(x) > 6 and peak(rotate(x, rotation_matrix(64))) < 3.5  # a Gaussian vector of 64: about 2.4
 
 
-def _config(bits: int, key_rot=True, value_rot=True, window: int = 0, dtype: str = "int") -> KVQuantConfig:
+def _config(bits: int, key_rot=True, value_rot=True, window: int = 0, dtype: str = "int", metadata: str = "float") -> KVQuantConfig:
     rot = lambda on: "hadamard" if on else "none"  # noqa: E731
-    return KVQuantConfig(default=LayerKV(QuantSpec(bits, "token", 64, dtype, rotation=rot(key_rot)),
-                                         QuantSpec(bits, "token", 64, dtype, rotation=rot(value_rot))),
+    return KVQuantConfig(default=LayerKV(QuantSpec(bits, "token", 64, dtype, rotation=rot(key_rot), metadata=metadata),
+                                         QuantSpec(bits, "token", 64, dtype, rotation=rot(value_rot), metadata=metadata)),
                          residual_length=window, name=f"rot-{bits}")  # fmt: skip
 
 
@@ -62,6 +62,30 @@ def _teacher_forced_logits(model, ids: torch.Tensor, prompt: int, cache) -> torc
         for t in range(prompt, ids.shape[1] - 1):
             out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
     return torch.stack(out, 1)
+
+
+def test_8bit_metadata_holds_a_byte_a_scale_and_zero_and_decodes_nearly_as_float_metadata(tiny_model):
+    """A rotated 4-bit cache with 8-bit scale and zero: the memory report counts one byte each (one
+    less than float16 for every scale and zero the cache holds; the bytes held agree), the metadata
+    is uint8, and teacher-forced logits stay about as close to fp's as with float16 metadata."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2))
+    logits, reported, metas = {}, {}, {}
+    for metadata in ("float", "8-bit", None):
+        cfg = KVQuantConfig.preset("fp") if metadata is None else _config(4, metadata=metadata)
+        cache = make_cache(tiny_model, cfg)
+        logits[metadata] = _teacher_forced_logits(tiny_model, ids, 200, cache)
+        if metadata is None:
+            continue
+        held, report = cache.tensor_bytes(), cache.memory_report()
+        assert abs(report.bytes - held) / held < 0.01
+        reported[metadata] = report.bytes
+        bodies = [body for layer in cache.layers for body in (layer.k_body, layer.v_body)]
+        assert {b.scale.dtype for b in bodies} == {torch.uint8 if metadata == "8-bit" else torch.float16}
+        metas[metadata] = sum(b.scale.numel() + b.zero.numel() for b in bodies)
+    assert metas["float"] == metas["8-bit"] > 0 and reported["float"] - reported["8-bit"] == metas["8-bit"]
+    err = {m: (logits[m] - logits[None]).abs().max().item() for m in ("float", "8-bit")}
+    assert 0 < err["8-bit"] < 1.5 * err["float"], err
 
 
 @pytest.mark.parametrize("key_rot,value_rot", [(True, True), (True, False), (False, True)])
@@ -143,9 +167,11 @@ def test_a_calibration_fitted_for_rotated_vectors_fits_them_and_only_them(tmp_pa
     assert out.shape == (1, 26)
 
 
-def test_a_rotated_cache_exports_to_executorch_and_onnx_and_matches_eager(tmp_path):
+@pytest.mark.parametrize("metadata", ["float", "8-bit"])
+def test_a_rotated_cache_exports_to_executorch_and_onnx_and_matches_eager(metadata, tmp_path):
     """The rotations are two matrix products in the decode step's graph: the exported programs
-    (ExecuTorch with the kvq kernel library, ONNX) generate what the eager step does."""
+    (ExecuTorch with the kvq kernel library, ONNX) generate what the eager step does, with float
+    and with 8-bit scale and zero (whose coding is compares and multiplies, the same in every runtime)."""
     pytest.importorskip("executorch", reason="export needs executorch (installed by the test extra)")
     pytest.importorskip("onnxruntime", reason="export needs onnxruntime (installed by the test extra)")
     from kvq_ao.export import export_executorch, export_onnx
@@ -153,12 +179,13 @@ def test_a_rotated_cache_exports_to_executorch_and_onnx_and_matches_eager(tmp_pa
     from kvq_ao.export.executorch import ExecuTorchRunner
     from kvq_ao.export.onnx import OnnxRunner
 
-    cfg, max_len = _config(4), 48  # no fp window: the exported cache's rotated codes are read
+    cfg, max_len = _config(4, metadata=metadata), 48  # no fp window: the exported cache's rotated codes are read
     prompt = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     pte = export_executorch(tiny_llama(seed=5), cfg, tmp_path / "r.pte", max_seq_len=max_len)
     onnx_path = export_onnx(tiny_llama(seed=5), cfg, tmp_path / "r.onnx", max_seq_len=max_len)
     step = DecodeStep(tiny_llama(seed=5), cfg, max_len)
     assert all(layer.k_rot.numel() and layer.v_rot.numel() for layer in step.cache.layers)
+    assert all((layer.k_body.scale.dtype == torch.uint8) == (metadata == "8-bit") for layer in step.cache.layers)
     for runner in (ExecuTorchRunner(pte.path), OnnxRunner(onnx_path)):
         new, logits = runner.generate(prompt, 12)
         step = DecodeStep(tiny_llama(seed=5), cfg, max_len)
