@@ -51,8 +51,8 @@ their values; kernels and the cache ask the predicates):
   [0, 1]): the zero is a fraction z / 256 of the group's range below 0, so every group's range
   contains 0 (a rotated vector's always does). A group [lo, hi] is coded (`kvq_ao.quant.metadata`,
   and each quantizer alike) with lo' = min(lo, 0), hi' = max(hi, 0), S[c] = 2**e * SCALE_TABLE[c]:
-  c0 = #{c : fl(S[c] * L) < fl(hi' - lo')} (at most 255); z(c) = the smallest z in [0, 255] with
-  zero(c, z) <= lo' (255 if none); c = the first of c0, c0 + 1, c0 + 2 (at most 255) with
+  c0 = #{c : fl(S[c] * L) < fl(hi' - lo')}; z(c) = the smallest z in [0, 255] with
+  zero(c, z) <= lo' (255 if none); c = the first of c0, c0 + 1, c0 + 2 (each capped at 255) with
   zero(c, z(c)) <= lo' and fl(zero + fl(S[c] * L)) >= hi', else the last of them. So the stored
   range covers the group (a group wider than S[255] * L is clamped: pick e so that none is), and
   every kernel computes the same bytes with float32 multiplies and compares only.
