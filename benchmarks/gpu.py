@@ -65,9 +65,9 @@ def _operand(x: torch.Tensor, side: torch.Tensor, spec, scale_dtype: torch.dtype
     from kvq_ao.quant.uniform import fixed_range
 
     axis = AXIS_CHANNEL if spec.axis == "channel" else AXIS_TOKEN
-    bits, _, group, query_bits = encode(spec.bits, axis, spec.group_size, calibrated_rows=spec.calibrated_ranges,
-                                        query_bits=spec.query_bits)  # fmt: skip
-    fields = dict(bits=bits, axis=axis, group=group, query_bits=query_bits, codes=x.to(dtype), scale=None, zero=None,
+    bits, _, group, query_bits, meta = encode(spec.bits, axis, spec.group_size, calibrated_rows=spec.calibrated_ranges,
+                                              query_bits=spec.query_bits, meta=spec.meta)  # fmt: skip
+    fields = dict(bits=bits, axis=axis, group=group, query_bits=query_bits, meta=meta, codes=x.to(dtype), scale=None, zero=None,
                   codebook=None, out_val=None, out_idx=None, side=side.to(dtype))  # fmt: skip
     if spec.bits:
         codebook = nf_codebook(spec.bits).to(x.device) if spec.dtype != "int" else None
@@ -83,7 +83,7 @@ def _operand(x: torch.Tensor, side: torch.Tensor, spec, scale_dtype: torch.dtype
             scale, zero = rows(scale), rows(zero)
         else:
             codes, scale, zero, out_val, out_idx, _ = torch.ops.kvq.quantize(
-                x, format_ints(spec.bits, axis, spec.group_size), scale_dtype, levels_cb, lo, hi, slots)  # fmt: skip
+                x, format_ints(spec.bits, axis, spec.group_size, meta=meta), scale_dtype, levels_cb, lo, hi, slots)  # fmt: skip
         fields.update(codes=codes, scale=scale, zero=zero, codebook=codebook)
         if slots:
             fields.update(out_val=out_val.to(dtype), out_idx=out_idx)
@@ -277,7 +277,7 @@ def quantize_differences(preset: str, device) -> list[str]:
             got, want = torch.ops.kvq.triton_quantize_fixed(*args), reference.quantize_fixed(*args)
             fields = ("codes", "out_val", "out_idx", "clamped")
         else:
-            args = (x, format_ints(spec.bits, axis, spec.group_size), getattr(torch, cfg.scale_dtype), codebook, lo, hi, slots)
+            args = (x, format_ints(spec.bits, axis, spec.group_size, meta=spec.meta), getattr(torch, cfg.scale_dtype), codebook, lo, hi, slots)
             got, want = torch.ops.kvq.triton_quantize(*args), reference.quantize(*args)
             fields = ("codes", "scale", "zero", "out_val", "out_idx", "clamped")
         differing += [f"{name}.{f}" for f, a, b in zip(fields, got, want) if not torch.equal(a, b)]

@@ -69,7 +69,7 @@ def attention_op(query: torch.Tensor, key, value):
 
 def quantize_op(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype, meta: int = 0):
     """The op that quantizes x into the cache: `kvq.triton_quantize` where the Triton kernels serve x's
-    device and the format (power-of-two head_dim and group, float metadata), else `kvq.quantize`."""
+    device and the format (power-of-two head_dim and group), else `kvq.quantize`."""
     if serves(x.device) and _STATE["quantize_supported"](x, axis, group, scale_dtype, meta):
         return torch.ops.kvq.triton_quantize
     return torch.ops.kvq.quantize

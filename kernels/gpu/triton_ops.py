@@ -238,11 +238,9 @@ _SCALE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def quantize_supported(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype, meta: int = fmt.FLOAT_META) -> bool:
-    """Whether the Triton quantize serves this format (its tiles need power-of-two head_dim and group;
-    it stores float scales and zeros, not 8-bit ones)."""
+    """Whether the Triton quantize serves this format (its tiles need power-of-two head_dim and group)."""
     d = x.shape[-1]
-    return (d == triton.next_power_of_2(d) and group == triton.next_power_of_2(group) and scale_dtype in _SCALE_CODES
-            and not fmt.is_meta8(meta))  # fmt: skip
+    return d == triton.next_power_of_2(d) and group == triton.next_power_of_2(group) and scale_dtype in _SCALE_CODES
 
 
 @triton_op("kvq::triton_quantize", mutates_args=())
@@ -256,14 +254,15 @@ def triton_quantize(
     meta = fmt.format_of(format)[4]
     if not quantize_supported(x, axis, group, scale_dtype, meta):
         raise ValueError(f"kvq.triton_quantize needs a power-of-two head_dim and group and a float16/bfloat16/float32 "
-                         f"scale dtype (float metadata); got head_dim {x.shape[-1]}, group {group}, {scale_dtype}, meta {meta} "
-                         f"(use kvq.quantize)")  # fmt: skip
+                         f"scale dtype; got head_dim {x.shape[-1]}, group {group}, {scale_dtype} (use kvq.quantize)")  # fmt: skip
     b, h, t, d = x.shape
     x = x.contiguous()
     code_shape, meta_shape = _meta_shapes(x.shape, bits, axis, group)
     codes = x.new_empty(code_shape, dtype=torch.uint8)
-    scale = x.new_empty(meta_shape, dtype=scale_dtype)
-    zero = x.new_empty(meta_shape, dtype=scale_dtype)
+    meta8 = fmt.is_meta8(meta)
+    scale = x.new_empty(meta_shape, dtype=torch.uint8 if meta8 else scale_dtype)
+    zero = x.new_empty(meta_shape, dtype=torch.uint8 if meta8 else scale_dtype)
+    table = metadata.scales(fmt.meta_exponent(meta), x.device) if meta8 else x  # the 256 scales of 8-bit metadata
     out_val = x.new_empty([b, h, t, n_outliers])
     out_idx = x.new_empty([b, h, t, n_outliers], dtype=torch.uint8)
     rows = b * h * t
@@ -277,10 +276,10 @@ def triton_quantize(
     # FIXED is passed though it has a default: torch's analysis of which arguments a launch writes
     # needs every argument, and without it assumes all are written (copies of every input).
     _launcher(triton_quantize_kernels, "_quantize", x)[(programs,)](
-        x, *thresholds, mids, codes, scale, zero, out_val, out_idx, partial,
+        x, *thresholds, mids, codes, scale, zero, out_val, out_idx, partial, table,
         rows, t, h, 1.0 if codebook.numel() else float(2**bits - 1), finfo.max, finfo.eps, finfo.smallest_normal * finfo.eps,
         D=d, BITS=bits, AXIS=axis, GROUP=group, CODEBOOK=codebook.numel() > 0, K=n_outliers, VECTOR_OUTLIERS=vector,
-        SCALE=_SCALE_CODES[scale_dtype], ROWS=tile, FIXED=False, **QUANTIZE_LAUNCH,
+        SCALE=_SCALE_CODES[scale_dtype], ROWS=tile, FIXED=False, META8=meta8, **QUANTIZE_LAUNCH,
     )  # fmt: skip
     return codes, scale, zero, out_val, out_idx, partial.sum()
 
@@ -310,10 +309,10 @@ def triton_quantize_fixed(
     mids = midpoints(codebook.float()) if codebook.numel() else x.new_zeros(1, dtype=torch.float32)
     fixed = [t_.float().contiguous() for t_ in (lo, hi, scale, zero)]
     _launcher(triton_quantize_kernels, "_quantize", x)[(programs,)](
-        x, fixed[0], fixed[1], mids, codes, fixed[2], fixed[3], out_val, out_idx, partial,
+        x, fixed[0], fixed[1], mids, codes, fixed[2], fixed[3], out_val, out_idx, partial, x,
         b * h * t, t, h, 1.0, 1.0, 1.0, 1.0,
         D=d, BITS=bits, AXIS=0, GROUP=d, CODEBOOK=codebook.numel() > 0, K=n_outliers, VECTOR_OUTLIERS=False,
-        SCALE=2, ROWS=QUANTIZE_ROWS, FIXED=True, **QUANTIZE_LAUNCH,
+        SCALE=2, ROWS=QUANTIZE_ROWS, FIXED=True, META8=False, **QUANTIZE_LAUNCH,
     )  # fmt: skip
     return codes, out_val, out_idx, partial.sum()
 

@@ -14,6 +14,8 @@ against calibrated per-channel ranges, nothing reduced over tokens.
 Exactness notes: rounding to bfloat16 is done on the bits (the interpreter's float conversion
 truncates); divisions are `div_rn` (IEEE, as torch divides); round-half-to-even is the 1.5 * 2^23
 trick, exact for the code range. Head dims and group sizes must be powers of two (reshapes).
+8-bit scale and zero (`meta`) are coded by kvq_ao/format.py's rule with float32 multiplies and
+compares only, against a table of the 256 scales the host computes as the reference does.
 """
 
 from __future__ import annotations
@@ -56,15 +58,52 @@ def _group_range(lo, hi, levels, fmax, eps, tiny, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _zero_of(scale, z, levels):
+    """An 8-bit zero code's value: -(scale * float(L * z)) * 2**-8 (kvq_ao/format.py)."""
+    return -(scale * (z.to(tl.float32) * levels)) * 0.00390625
+
+
+@triton.jit
+def _group_range8(lo, hi, levels, table):
+    """(scale code, zero code, zero, scale) of groups [A, B] with minimum lo and maximum hi, by
+    kvq_ao/format.py's rule for 8-bit metadata (`metadata.encode_range`); table: the 256 scales
+    S[c] of the format's exponent (float32, from the host)."""
+    lo = tl.minimum(lo, 0.0)
+    hi = tl.maximum(hi, 0.0)
+    c_all = tl.arange(0, 256)
+    scaled = tl.load(table + c_all) * levels  # fl(S[c] * L)
+    c0 = _sum((scaled[None, None, :] < (hi - lo)[:, :, None]).to(tl.int32), 2)
+    steps = c_all.to(tl.float32) * levels  # L * z, exact
+    best_c = tl.minimum(c0 + 2, 255)  # the last try, kept unless an earlier one covers
+    best_z = best_c * 0
+    for step in tl.static_range(2, -1, -1):  # the first covering of c0, c0 + 1, c0 + 2 wins: tried from the top down
+        c = tl.minimum(c0 + step, 255)
+        s = tl.load(table + c)
+        candidates = -(s[:, :, None] * steps[None, None, :]) * 0.00390625
+        z = tl.minimum(_sum((candidates > lo[:, :, None]).to(tl.int32), 2), 255)
+        zero = _zero_of(s, z, levels)
+        covers = (zero <= lo) & (zero + s * levels >= hi)
+        if step == 2:
+            best_z = z
+        else:
+            best_c = tl.where(covers, c, best_c)
+            best_z = tl.where(covers, z, best_z)
+    scale = tl.load(table + best_c)
+    return best_c, best_z, _zero_of(scale, best_z, levels), scale
+
+
+@triton.jit
 def _quantize(
-    x, lo_t, hi_t, mids, codes, scale_out, zero_out, out_val, out_idx, clamped,
+    x, lo_t, hi_t, mids, codes, scale_out, zero_out, out_val, out_idx, clamped, table,
     R, T, H, levels, fmax, eps, tiny,
     D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr, CODEBOOK: tl.constexpr,
     K: tl.constexpr, VECTOR_OUTLIERS: tl.constexpr, SCALE: tl.constexpr, ROWS: tl.constexpr, FIXED: tl.constexpr = False,
+    META8: tl.constexpr = False,
 ):  # fmt: skip
     """FIXED (`kvq::quantize_fixed`): per-token rows coded against the fixed ranges zero/scale [H, D]
     read from zero_out/scale_out (not written); entries outside lo/hi [H, D] are outliers (K slots per
-    vector) or clamped, and counted, also when K is 0."""
+    vector) or clamped, and counted, also when K is 0. META8 (per-token groups): scale and zero are
+    written as 8-bit codes (`_group_range8`, table: the format's 256 scales)."""
     pid = tl.program_id(0)
     r = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # vector index b * H * T + h * T + t
     d = tl.arange(0, D)
@@ -124,10 +163,15 @@ def _quantize(
         u = tl.math.div_rn(dense - zero, tl.where(scale > 0, scale, 1.0))
     elif AXIS == AXIS_TOKEN:  # per-token groups: [ROWS, D / GROUP] ranges
         g3 = tl.reshape(dense, [ROWS, D // GROUP, GROUP])
-        zero, scale = _group_range(_min(g3, 2), _max(g3, 2), levels, fmax, eps, tiny, SCALE)
         meta = r[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :]
-        tl.store(scale_out + meta, scale.to(scale_out.dtype.element_ty), mask=ok[:, None])
-        tl.store(zero_out + meta, zero.to(zero_out.dtype.element_ty), mask=ok[:, None])
+        if META8:
+            s_code, z_code, zero, scale = _group_range8(_min(g3, 2), _max(g3, 2), levels, table)
+            tl.store(scale_out + meta, s_code.to(tl.uint8), mask=ok[:, None])
+            tl.store(zero_out + meta, z_code.to(tl.uint8), mask=ok[:, None])
+        else:
+            zero, scale = _group_range(_min(g3, 2), _max(g3, 2), levels, fmax, eps, tiny, SCALE)
+            tl.store(scale_out + meta, scale.to(scale_out.dtype.element_ty), mask=ok[:, None])
+            tl.store(zero_out + meta, zero.to(zero_out.dtype.element_ty), mask=ok[:, None])
         safe = tl.where(scale > 0, scale, 1.0)
         u = tl.reshape(tl.math.div_rn(g3 - zero[:, :, None], safe[:, :, None]), [ROWS, D])
     else:  # per-channel groups: this tile is one block of GROUP tokens, [D] ranges

@@ -89,7 +89,7 @@ def tune(model, ids: torch.Tensor, max_avg_bits: float, n_groups: int = 8, base:
     candidates = list(candidate_pairs(widths))
     attach = lambda config: config  # noqa: E731  (configs of calibrated datatypes get their calibration)
     if any(layer_spec(p, base).key.needs_calibration or layer_spec(p, base).value.needs_calibration for p in candidates):
-        log("calibrating each bit width of the base once (user cache)")
+        log(f"calibrating each bit width of the base once ({calibration_folder if calibration_folder else 'user cache'})")
         attach = WidthCalibrations(model, base, layer_spec, widths=tuple(sorted(set(widths))), calibration_ids=calibration_ids,
                                    folder=calibration_folder).attach  # fmt: skip
     t0 = time.perf_counter()

@@ -330,9 +330,7 @@ def test_quantize_is_bit_identical_to_the_reference(backend, bits, axis, group, 
     op = _quantizer(backend, 0)
     x, *rest = quantize_case(bits, bits, axis, group, codebook, outliers, t=48 if axis == AXIS_CHANNEL else 37)
     stored = [(scale_dtype, FLOAT_META) for scale_dtype in (torch.float16, torch.bfloat16, torch.float32)]
-    if axis == AXIS_TOKEN and backend != "triton-interpreter":  # (Triton's quantize stores float metadata: the cache takes
-        # kvq.quantize for 8-bit formats on a GPU, kvq_ao.kernels.gpu.quantize_op)
-        # 8-bit scale and zero: at the default exponent, and one whose smallest scale is above most ranges
+    if axis == AXIS_TOKEN:  # 8-bit scale and zero: at the default exponent, and one whose smallest scale is above most ranges
         stored += [(torch.float16, meta_ints(default_meta_exponent(bits, codebook))), (torch.float16, meta_ints(-1))]
     for scale_dtype, meta in stored:
         fmt = [*rest[0][:-1], meta]
@@ -361,7 +359,6 @@ def test_quantize_is_byte_identical_at_any_magnitude(backend, seed, bits, codebo
     codes' span: every field byte for byte."""
     axis, group = layout
     meta = FLOAT_META
-    assume(not (scale_dtype == "8-bit" and backend == "triton-interpreter"))  # Triton's quantize stores float metadata only
     if scale_dtype == "8-bit":
         if axis == AXIS_CHANNEL:
             layout = axis, group = AXIS_TOKEN, 16  # 8-bit metadata codes per-token groups only

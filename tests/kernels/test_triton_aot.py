@@ -18,7 +18,8 @@ from attention_cases import FIXED, attend, native_case, streaming_case  # noqa: 
 from kvq_ao.kernels import gpu  # noqa: E402
 from kvq_ao.kernels.gpu.aot import (OLDEST_TRITON, KernelReport, compile_all, compile_all_with, launch_of, preset_launches,  # noqa: E402
                                     recorded_launches, traced_as_on_gpu, triton_folder, unique)  # fmt: skip
-from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints  # noqa: E402
+from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, default_meta_exponent, format_ints, meta_ints  # noqa: E402
+from kvq_ao.quant.codebook import nf_codebook  # noqa: E402
 
 gpu.load()
 
@@ -68,6 +69,11 @@ def matrix_launches() -> list:
                 for outliers in (0, 2):
                     lo, hi = (-torch.ones(2, 64), torch.ones(2, 64)) if outliers else (torch.zeros(0), torch.zeros(0))
                     torch.ops.kvq.triton_quantize(x, format_ints(bits, axis, group), torch.float16, torch.zeros(0), lo, hi, outliers)
+            # 8-bit scale and zero: one group a vector and two, uniform and codebook levels
+            for group, codebook in ((64, False), (32, bits <= 4)):
+                meta = meta_ints(default_meta_exponent(bits, codebook))
+                torch.ops.kvq.triton_quantize(x, format_ints(bits, AXIS_TOKEN, group, meta=meta), torch.float16,
+                                              nf_codebook(bits) if codebook else torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)  # fmt: skip
     return seen
 
 
