@@ -37,7 +37,7 @@ from kvq_ao.quant.codebook import check_codebook, nf_codebook
 from kvq_ao.quant.packing import packed_size
 from kvq_ao.quant import rotation
 from kvq_ao.quant.rope import unrotate
-from kvq_ao.format import FLOAT_QUERY, encode, format_ints
+from kvq_ao.format import FLOAT_QUERY, encode, format_ints, is_meta8, range_levels
 from kvq_ao.quant.uniform import fixed_range
 from kvq_ao.tensor import QuantizedKV
 
@@ -115,14 +115,14 @@ class _BodyStore:
         self.clamped = 0  # outlier entries clamped because their vector's slots were full (eager writes)
         if spec.calibrated_ranges:  # one fixed scale/zero row per head, read for every position
             self.codes = torch.zeros(b, h, capacity, packed_size(head_dim, spec.bits), dtype=torch.uint8, device=device)
-            levels = 1 if self.codebook.numel() else 2**spec.bits - 1  # codebook levels span [0, 1] of the range
+            levels = range_levels(spec.bits, self.codebook.numel() > 0)  # codebook levels span [0, 1] of the range
             self.fixed_zero, self.fixed_scale = fixed_range(self.lo, self.hi, levels, scale_dtype)
             self.zero = self.fixed_zero[None, :, None, :].repeat(b, 1, 1, 1)
             self.scale = self.fixed_scale[None, :, None, :].repeat(b, 1, 1, 1)
         elif spec.is_quantized:
             self.codes = torch.zeros(b, h, capacity, packed_size(head_dim, spec.bits), dtype=torch.uint8, device=device)
             meta = (b, h, capacity, head_dim // spec.group_size) if spec.axis == "token" else (b, h, capacity // spec.group_size, head_dim)
-            stored = torch.uint8 if spec.metadata == "8-bit" else scale_dtype  # 8-bit metadata: one code each
+            stored = torch.uint8 if is_meta8(spec.meta) else scale_dtype  # 8-bit metadata: one code each
             self.scale = torch.zeros(meta, dtype=stored, device=device)
             self.zero = torch.zeros(meta, dtype=stored, device=device)
         else:
@@ -180,7 +180,7 @@ class _BodyStore:
             codes, out_val, out_idx, clamped = gpu_kernels.quantize_fixed_op(x)(
                 x, bits, self.fixed_zero, self.fixed_scale, self.codebook, self.lo, self.hi, self.n_outliers)  # fmt: skip
             return codes, None, None, out_val.to(self.out_val.dtype), out_idx, clamped
-        op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype, meta)
+        op = gpu_kernels.quantize_op(x, axis, group, self.scale_dtype)
         codes, scale, zero, out_val, out_idx, clamped = op(x, format_ints(bits, axis, group, FLOAT_QUERY, meta), self.scale_dtype, self.codebook,
                                                            self.lo, self.hi, self.n_outliers)  # fmt: skip
         return codes, scale, zero, out_val.to(self.out_val.dtype), out_idx, clamped

@@ -76,7 +76,8 @@ INT16_QUERY = 16  # `query_bits`: the same against a query of 32512 steps a side
 QUERY_BITS = (FLOAT_QUERY, INT8_QUERY, INT16_QUERY)
 _QUERY_LEVELS = {INT8_QUERY: 127, INT16_QUERY: 127 * 256}
 FLOAT_META = 0  # `meta`: scale and zero stored as floats
-META_OFFSET = 128  # `meta` of 8-bit metadata with scale exponent e: META_OFFSET + e, e in [-90, 90]
+META_OFFSET = 128  # `meta` of 8-bit metadata with scale exponent e: META_OFFSET + e, |e| <= META_EXPONENT_BOUND
+META_EXPONENT_BOUND = 90  # keeps every 8-bit scale and zero a normal float32
 SCALE_STEPS = 16  # 8-bit scale codes per octave
 ZERO_STEPS = 256  # 8-bit zero codes over a group's range (z / 256 of it below 0)
 PACKED_BITS = (2, 3, 4, 8)  # the widths of packed codes
@@ -103,9 +104,16 @@ def is_meta8(meta: int) -> bool:
 
 def meta_ints(exponent: int) -> int:
     """`meta` of 8-bit metadata whose scale codes start at 2**exponent (a clear error out of range)."""
-    if isinstance(exponent, bool) or not isinstance(exponent, int) or not -90 <= exponent <= 90:
-        raise ValueError(f"kvq: the 8-bit scale exponent must be an int in [-90, 90] (scales and zeros stay normal float32), got {exponent!r}")
+    bound = META_EXPONENT_BOUND
+    if isinstance(exponent, bool) or not isinstance(exponent, int) or not -bound <= exponent <= bound:
+        raise ValueError(f"kvq: the 8-bit scale exponent must be an int in [-{bound}, {bound}] (scales and zeros stay normal "
+                         f"float32), got {exponent!r}")  # fmt: skip
     return META_OFFSET + exponent
+
+
+def is_valid_meta(meta: int) -> bool:
+    """Whether `meta` names float metadata or 8-bit metadata with an exponent in bounds."""
+    return not is_meta8(meta) or abs(meta - META_OFFSET) <= META_EXPONENT_BOUND
 
 
 def meta_exponent(meta: int) -> int:
@@ -176,9 +184,9 @@ def check_format(bits: int, axis: int, group: int, allow_float: bool = True, que
     if is_int_query(query_bits) and (is_float(bits) or axis != AXIS_CHANNEL):
         raise ValueError(f"kvq: an integer query (query_bits {query_bits}) scores packed codes in per-channel groups, got bits "
                          f"{bits}, axis {axis}")  # fmt: skip
-    if is_meta8(meta) and not (META_OFFSET - 90 <= meta <= META_OFFSET + 90):
-        raise ValueError(f"kvq: meta must be {FLOAT_META} (float scale and zero) or {META_OFFSET} + e with e in [-90, 90] "
-                         f"(8-bit), got {meta}")  # fmt: skip
+    if not is_valid_meta(meta):
+        raise ValueError(f"kvq: meta must be {FLOAT_META} (float scale and zero) or {META_OFFSET} + e with e in "
+                         f"[-{META_EXPONENT_BOUND}, {META_EXPONENT_BOUND}] (8-bit), got {meta}")  # fmt: skip
     if is_meta8(meta) and (is_float(bits) or axis != AXIS_TOKEN):
         raise ValueError(f"kvq: 8-bit metadata (meta {meta}) codes per-token groups of packed codes (their ranges contain 0), "
                          f"got bits {bits}, axis {axis}")  # fmt: skip
@@ -280,6 +288,7 @@ def c_header() -> str:
     lines = [
         "// Generated from kvq_ao/format.py at build time: the kvq ops' operand lists. Do not edit.",
         "#pragma once",
+        "#include <cmath>",
         "#include <cstdint>",
         "namespace kvq_format {",
     ]
@@ -304,6 +313,14 @@ def c_header() -> str:
         "// 8-bit metadata: scale = 2^e * kScaleTable[s], zero = -(scale * float(L * z)) * 2^-8 (kvq_ao/format.py)",
         "constexpr float kScaleTable[256] = {" + ", ".join(f"{v.hex()}f" for v in scale_table()) + "};",
         "constexpr bool is_meta8(int64_t meta) { return meta != kFloatMeta; }",
+        f"constexpr int64_t kMetaExponentBound = {META_EXPONENT_BOUND};  // |e| of 8-bit metadata",
+        "constexpr bool is_valid_meta(int64_t meta) {"
+        " return !is_meta8(meta) || (meta >= kMetaOffset - kMetaExponentBound && meta <= kMetaOffset + kMetaExponentBound); }",
+        "// L, a group's range in units of its scale: 2^bits - 1 uniform levels, 1 for a codebook in [0, 1]",
+        "constexpr int range_levels(int64_t bits, bool codebook) { return codebook ? 1 : (1 << bits) - 1; }",
+        "// What scale code s and zero code z of 8-bit metadata decode to (exact float32 steps: every kernel reads the same floats)",
+        "inline float meta_scale(int64_t meta, int s) { return std::ldexp(kScaleTable[s], static_cast<int>(meta - kMetaOffset)); }",
+        "inline float meta_zero(float scale, int levels, int z) { return -(scale * static_cast<float>(levels * z)) * (1.0f / kZeroSteps); }",
         f"constexpr int kMaxOutlierHeadDim = {MAX_OUTLIER_HEAD_DIM};",
         "// The planar packing (kvq_ao.quant.packing): codes per word and bytes per word of each width.",
         "constexpr int codes_per_word(int64_t bits) { switch (bits) { "
@@ -321,7 +338,7 @@ def c_header() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "FLOAT_BITS", "FLOAT_META", "FLOAT_QUERY", "FORMAT_VERSION", "INT8_QUERY", "MAX_OUTLIER_HEAD_DIM", "META_OFFSET",
+__all__ = ["AXIS_CHANNEL", "AXIS_TOKEN", "CODEBOOK_BITS", "FLOAT_BITS", "FLOAT_META", "FLOAT_QUERY", "FORMAT_VERSION", "INT8_QUERY", "MAX_OUTLIER_HEAD_DIM", "META_EXPONENT_BOUND", "META_OFFSET",
            "ONE_ROW", "OPERAND_INTS", "OPERAND_TENSORS", "Operand", "PACKED_BITS", "QUERY_BITS", "SCALE_STEPS", "ZERO_STEPS", "c_header", "check_format",
-           "default_meta_exponent", "encode", "format_ints", "format_of", "is_float", "is_meta8", "is_one_row", "meta_exponent", "meta_ints", "midpoints",
+           "default_meta_exponent", "encode", "format_ints", "format_of", "is_float", "is_meta8", "is_one_row", "is_valid_meta", "meta_exponent", "meta_ints", "midpoints",
            "range_levels", "scale_table", "tokens_per_group", "word_layout"]  # fmt: skip

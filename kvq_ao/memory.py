@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvq_ao.config import KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.format import is_meta8
 
 _SIDE_POS_BYTES = 8  # int64 positions
 
@@ -30,7 +31,7 @@ def body_bytes(spec: QuantSpec, heads: int, head_dim: int, tokens: int, dtype_by
     value_bytes = dtype_bytes if spec.outlier_dtype == "model" else 2
     sparse = heads * tokens * spec.outlier_slots(head_dim) * (value_bytes + 1)
     codebook = 4 * 2**spec.bits if spec.dtype != "int" else 0
-    meta_bytes = 1 if spec.metadata == "8-bit" else scale_bytes  # 8-bit metadata: one byte a scale or zero
+    meta_bytes = 1 if is_meta8(spec.meta) else scale_bytes  # 8-bit metadata: one byte a scale or zero
     return codes + 2 * heads * meta_rows * meta_bytes + sparse + codebook
 
 

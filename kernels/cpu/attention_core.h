@@ -624,14 +624,14 @@ struct Operand {
   int32_t query_levels = 0;                       // its steps a side (127: int8; 32512: int16, two int8 digits)
   bool meta8 = false;                             // scale and zero as 8-bit codes (kvq_format::is_meta8), per-token groups
   float meta_scale[256] = {};                     // what a scale code decodes to: 2^e * kScaleTable[s]
-  float meta_levels = 0.f;                        // L of the zero's decoding: 2^bits - 1, or 1 with a codebook
+  int meta_levels = 0;                            // L of the zero's decoding: 2^bits - 1, or 1 with a codebook
 
   // 8-bit metadata of n groups (scale codes s, zero codes z) as floats: scale = S[s],
   // zero = -(scale * float(L * z)) * 2^-8, in float32 as kvq_ao/format.py writes it.
   void decode_meta(const uint8_t* s, const uint8_t* z, int64_t n, float* scale, float* zero) const {
     for (int64_t i = 0; i < n; ++i) {
       scale[i] = meta_scale[s[i]];
-      zero[i] = -(scale[i] * (meta_levels * static_cast<float>(z[i]))) * (1.0f / kvq_format::kZeroSteps);
+      zero[i] = kvq_format::meta_zero(scale[i], meta_levels, z[i]);
     }
   }
 
@@ -1506,9 +1506,9 @@ inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim
       return v.dim == 4 && v.sizes[0] == meta[0] && v.sizes[1] == meta[1] && v.sizes[2] == meta[2] && v.sizes[3] == meta[3];
     };
     o.meta8 = kvq_format::is_meta8(in.meta);
-    check(!o.meta8 || (!o.per_channel && in.meta >= kvq_format::kMetaOffset - 90 && in.meta <= kvq_format::kMetaOffset + 90), name,
-          " meta must be ", kFloatMeta, " (float scale and zero) or ", kvq_format::kMetaOffset, " + e, e in [-90, 90], with per-token "
-          "groups (8-bit), got ", in.meta, " with axis ", axis);
+    check(kvq_format::is_valid_meta(in.meta) && (!o.meta8 || !o.per_channel), name, " meta must be ", kFloatMeta,
+          " (float scale and zero) or ", kvq_format::kMetaOffset, " + e, |e| <= ", kvq_format::kMetaExponentBound,
+          ", with per-token groups (8-bit), got ", in.meta, " with axis ", axis);
     const bool meta_dtypes = o.meta8 ? scale.dtype == DType::Byte && zero.dtype == DType::Byte : is_float(scale.dtype) && is_float(zero.dtype);
     check(is_meta(scale) && is_meta(zero) && meta_dtypes, name, "_scale and ", name, "_zero must be ", o.meta8 ? "uint8" : "float", " [",
           meta[0], ", ", meta[1], ", ", meta[2], ", ", meta[3], "], got ", scale.shape(), " ", dtype_name(scale.dtype), " and ",
@@ -1520,8 +1520,8 @@ inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim
       o.codebook = true;
     }
     if (o.meta8) {
-      for (int c = 0; c < 256; ++c) o.meta_scale[c] = std::ldexp(kvq_format::kScaleTable[c], static_cast<int>(in.meta - kvq_format::kMetaOffset));
-      o.meta_levels = o.codebook ? 1.f : static_cast<float>((1 << bits) - 1);
+      for (int c = 0; c < 256; ++c) o.meta_scale[c] = kvq_format::meta_scale(in.meta, c);
+      o.meta_levels = kvq_format::range_levels(bits, o.codebook);
     }
     o.scale_p = scale.bytes();
     o.zero_p = zero.bytes();

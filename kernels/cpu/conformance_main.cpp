@@ -153,10 +153,7 @@ void run_groups_case(Reader& r, const std::string& out_path) {
   std::vector<uint8_t> out_idx(static_cast<size_t>(rows * slots));
   const int64_t n_mids = mids.dim() ? mids.size(0) : 0;
   const bool by_channel = lo.dim() && lo.size(0) > 0;
-  const int64_t levels = n_mids ? 1 : (int64_t{1} << bits) - 1;
-  const std::optional<kvq_core::Meta8> coder =
-      meta8 ? std::optional<kvq_core::Meta8>(std::in_place, static_cast<int>(meta - kvq_format::kMetaOffset), static_cast<int>(levels))
-            : std::nullopt;
+  const std::optional<kvq_core::Meta8> coder = kvq_core::Meta8::of(meta, bits, n_mids > 0);
   const int64_t clamped = kvq_core::quantize_groups<float>(
       floats(x, "x", rows * dim), slices, tokens, heads, static_cast<int>(dim), static_cast<int>(bits), channel,
       static_cast<int>(channel ? block : group), static_cast<kvq_core::ScaleType>(scale_type),

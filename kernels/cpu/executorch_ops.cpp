@@ -86,8 +86,9 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
     kvq_core::check(kvq_format::is_packed_bits(bits), "kvq::quantize.out: bits must be one of ", kvq_format::kPackedBitsText);
     const int64_t meta = format[kvq_format::META];
     const bool meta8 = kvq_format::is_meta8(meta);
-    kvq_core::check(!meta8 || (axis == kvq_format::kAxisToken && meta >= kvq_format::kMetaOffset - 90 && meta <= kvq_format::kMetaOffset + 90),
-                    "kvq::quantize.out: 8-bit metadata codes per-token groups, with meta ", kvq_format::kMetaOffset, " + e, e in [-90, 90]");
+    kvq_core::check(kvq_format::is_valid_meta(meta) && (!meta8 || axis == kvq_format::kAxisToken),
+                    "kvq::quantize.out: 8-bit metadata codes per-token groups, with meta ", kvq_format::kMetaOffset, " + e, |e| <= ",
+                    kvq_format::kMetaExponentBound);
     kvq_core::check(x.scalar_type() == ScalarType::Float && x.dim() == 4, "kvq::quantize.out: x must be float32 [B, H, T, D]");
     const bool channel = axis == kvq_format::kAxisChannel;
     const int64_t B = x.size(0), H = x.size(1), tokens = x.size(2), dim = x.size(3);
@@ -123,10 +124,7 @@ std::tuple<Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&> quantize_out(
     const float* xp = x.const_data_ptr<float>();
     refuse_non_finite(xp, x.numel());
     int64_t n_clamped = 0;
-    const std::optional<kvq_core::Meta8> coder =
-        meta8 ? std::optional<kvq_core::Meta8>(std::in_place, static_cast<int>(meta - kvq_format::kMetaOffset),
-                                               codebook.numel() ? 1 : (1 << bits) - 1)
-              : std::nullopt;
+    const std::optional<kvq_core::Meta8> coder = kvq_core::Meta8::of(meta, bits, codebook.numel() > 0);
     if (x.numel() > 0)
       n_clamped = kvq_core::quantize_groups<float>(
           xp, B * H, tokens, n_outliers > 0 ? H : 1, static_cast<int>(dim), static_cast<int>(bits), channel,

@@ -55,9 +55,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   TORCH_CHECK_VALUE(group > 0 || kvq_format::is_one_row(axis, group), "kvq: group size must be positive (or ", kvq_format::kOneRow,
                     ", one row for every position, with per-channel groups), got ", group);
   const int64_t meta = format[kvq_format::META];
-  TORCH_CHECK_VALUE(!kvq_format::is_meta8(meta) || (meta >= kvq_format::kMetaOffset - 90 && meta <= kvq_format::kMetaOffset + 90),
-                    "kvq: meta must be ", kvq_format::kFloatMeta, " (float scale and zero) or ", kvq_format::kMetaOffset,
-                    " + e with e in [-90, 90] (8-bit), got ", meta);
+  TORCH_CHECK_VALUE(kvq_format::is_valid_meta(meta), "kvq: meta must be ", kvq_format::kFloatMeta, " (float scale and zero) or ",
+                    kvq_format::kMetaOffset, " + e with |e| <= ", kvq_format::kMetaExponentBound, " (8-bit), got ", meta);
   TORCH_CHECK_VALUE(!kvq_format::is_meta8(meta) || axis == kvq_format::kAxisToken, "kvq: 8-bit metadata (meta ", meta,
                     ") codes per-token groups of packed codes (their ranges contain 0), got axis ", axis);
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.is_floating_point(), "kvq: quantize takes floating-point x as [..., tokens, head_dim], got ",
@@ -107,9 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const auto meta_shape = channel ? shape({tokens / block, dim}) : shape({tokens, dim / group});
   const auto stored = kvq_format::is_meta8(meta) ? at::kByte : scale_dtype;
   at::Tensor scale = at::empty(meta_shape, x.options().dtype(stored)), zero = at::empty(meta_shape, x.options().dtype(stored));
-  const std::optional<kvq_core::Meta8> meta8 = kvq_format::is_meta8(meta)
-      ? std::optional<kvq_core::Meta8>(std::in_place, static_cast<int>(meta - kvq_format::kMetaOffset), codebook.numel() ? 1 : (1 << bits) - 1)
-      : std::nullopt;
+  const std::optional<kvq_core::Meta8> meta8 = kvq_core::Meta8::of(meta, bits, codebook.numel() > 0);
   at::Tensor out_val = at::empty(shape({tokens, n_outliers}), x.options());
   at::Tensor out_idx = at::empty(shape({tokens, n_outliers}), x.options().dtype(at::kByte));
   const int64_t slices = tokens ? xc.numel() / (tokens * dim) : 0;

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "kvq_format.h"  // generated from kvq_ao/format.py into the build directory
@@ -167,14 +168,20 @@ struct Meta8 {
   float scaled[256];  // fl(S[c] * L)
   int levels;
 
-  Meta8(int exponent, int levels_) : levels(levels_) {
+  Meta8(int64_t meta, int levels_) : levels(levels_) {
     for (int c = 0; c < 256; ++c) {
-      scale[c] = std::ldexp(kvq_format::kScaleTable[c], exponent);
+      scale[c] = kvq_format::meta_scale(meta, c);
       scaled[c] = scale[c] * static_cast<float>(levels);
     }
   }
 
-  float zero_of(float s, int z) const { return -(s * static_cast<float>(levels * z)) * (1.0f / kvq_format::kZeroSteps); }
+  // The coder of `meta` for codes of `bits` (with or without a codebook); none for float metadata.
+  static std::optional<Meta8> of(int64_t meta, int64_t bits, bool codebook) {
+    if (!kvq_format::is_meta8(meta)) return std::nullopt;
+    return std::optional<Meta8>(std::in_place, meta, kvq_format::range_levels(bits, codebook));
+  }
+
+  float zero_of(float s, int z) const { return kvq_format::meta_zero(s, levels, z); }
 
   // The smallest z in [0, 255] whose zero lies at or below lo (255 if none): zero_of falls as z grows.
   int zero_code(float s, float lo) const {

@@ -67,10 +67,10 @@ def attention_op(query: torch.Tensor, key, value):
     return torch.ops.kvq.decode_attention if decode else torch.ops.kvq.chunk_attention
 
 
-def quantize_op(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype, meta: int = 0):
+def quantize_op(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype):
     """The op that quantizes x into the cache: `kvq.triton_quantize` where the Triton kernels serve x's
     device and the format (power-of-two head_dim and group), else `kvq.quantize`."""
-    if serves(x.device) and _STATE["quantize_supported"](x, axis, group, scale_dtype, meta):
+    if serves(x.device) and _STATE["quantize_supported"](x, axis, group, scale_dtype):
         return torch.ops.kvq.triton_quantize
     return torch.ops.kvq.quantize
 

@@ -237,8 +237,9 @@ QUANTIZE_ROWS = 16  # vectors per per-token quantize program
 _SCALE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def quantize_supported(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype, meta: int = fmt.FLOAT_META) -> bool:
-    """Whether the Triton quantize serves this format (its tiles need power-of-two head_dim and group)."""
+def quantize_supported(x: torch.Tensor, axis: int, group: int, scale_dtype: torch.dtype) -> bool:
+    """Whether the Triton quantize serves this format (its tiles need power-of-two head_dim and group;
+    float and 8-bit metadata alike)."""
     d = x.shape[-1]
     return d == triton.next_power_of_2(d) and group == triton.next_power_of_2(group) and scale_dtype in _SCALE_CODES
 
@@ -252,7 +253,7 @@ def triton_quantize(
     (codes, scale, zero, outlier values, outlier indices, clamped count)."""
     bits, axis, group = _check_quantize(x, format, codebook, lo, hi, n_outliers)
     meta = fmt.format_of(format)[4]
-    if not quantize_supported(x, axis, group, scale_dtype, meta):
+    if not quantize_supported(x, axis, group, scale_dtype):
         raise ValueError(f"kvq.triton_quantize needs a power-of-two head_dim and group and a float16/bfloat16/float32 "
                          f"scale dtype; got head_dim {x.shape[-1]}, group {group}, {scale_dtype} (use kvq.quantize)")  # fmt: skip
     b, h, t, d = x.shape
