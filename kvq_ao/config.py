@@ -177,6 +177,13 @@ class QuantSpec:
         """How the kvq ops score keys of this spec (`kvq_ao.format`'s query_bits)."""
         return _QUERY_BITS[self.scores]
 
+    def at_bits(self, bits: int) -> QuantSpec:
+        """This spec at another width, everything else kept (axis, groups, outliers, ranges, rotation,
+        metadata). Codebooks exist for 2-4 bits; at 8 bits uniform levels are already near lossless
+        (K8V8 KL 6e-5 on SmolLM2), so an 8-bit spec is uniform whatever this one's datatype: the
+        rule KVTuner's candidates and the tuned presets share."""
+        return dataclasses.replace(self, bits=bits, dtype=self.dtype if bits in CODEBOOK_BITS else "int")
+
     @property
     def meta(self) -> int:
         """How the kvq ops read this spec's scale and zero (`kvq_ao.format`'s meta): float, or 8-bit
@@ -616,6 +623,33 @@ def _rotated_recall(key_bits: int, value_bits: int, wide_key_bits: int, window: 
                                residual_length=window, name=f"rot-k{key_bits}v{value_bits}-recall")  # fmt: skip
 
 
+# KVTuner's (key bits, value bits) per layer over the rotated datatypes with 8-bit scale and zero,
+# searched on SmolLM2's calibration text under 4.5 and 3.5 bits per element at 4096 tokens (`kvq
+# tune --dtype rot --metadata 8-bit --widths 2,3,4,8`; results/tune/tuned-rot-m8-4.5.json and
+# -3.5.json, docs/rotation.md). One "KV" pair per layer of SmolLM2's 30, from the first layer.
+TUNED_ROTATED_PAIRS: dict[str, str] = {
+    "4.5": "33 33 43 43 43 43 43 43 84 43 43 32 32 32 43 43 32 84 84 43 84 43 43 84 84 32 43 32 43 43",
+    "3.5": "23 23 32 32 32 42 32 42 43 22 22 32 32 32 42 32 32 43 43 42 43 32 32 44 43 32 42 32 42 22",
+}
+
+
+def _rotated_tuned(budget: str) -> KVQuantConfig:
+    """`rot-k4v3`'s layout with 8-bit metadata and KVTuner's pair per layer (TUNED_ROTATED_PAIRS).
+    The pairs are depth spans, layer i of n covering [i/n, (i+1)/n), so SmolLM2 takes exactly the
+    searched config and a model of another depth the pair found at each layer's relative depth (a
+    transfer the search never checked: `kvq tune` searches a model's own)."""
+    base = _rotated(4, 3)
+    spec = dataclasses.replace(base.default.key, metadata="8-bit")
+    pairs = [(int(p[0]), int(p[1])) for p in TUNED_ROTATED_PAIRS[budget].split()]
+    layer = lambda pair: LayerKV(spec.at_bits(pair[0]), spec.at_bits(pair[1]))  # noqa: E731
+    n, spans, start = len(pairs), [], 0
+    for i in range(1, n + 1):  # one span per run of equal pairs
+        if i == n or pairs[i] != pairs[start]:
+            spans.append(DepthSpan(start / n, i / n, layer(pairs[start])))
+            start = i
+    return dataclasses.replace(base, default=layer((4, 3)), depth_spans=tuple(spans), name=f"kvtuner-rot-{budget}")
+
+
 def _kvquant_rotated_values(bits: int) -> KVQuantConfig:
     """KVQuant's keys without outlier slots (pre-RoPE, calibrated ranges and levels) with values
     rotated and coded against calibrated per-channel ranges (no per-vector metadata either), so a
@@ -654,6 +688,9 @@ PRESETS: dict[str, KVQuantConfig] = {
     # rot-k3v2 that keeps passkeys: 4-bit keys in the retrieving layers, a 48-token window (3.46 bits)
     "rot-k3v2-recall": _rotated_recall(3, 2, 4, 48),
     "kvquant-2-rotv": _kvquant_rotated_values(2),
+    # KVTuner over the rotated datatypes with 8-bit scale and zero, one (key, value) pair per layer
+    "kvtuner-rot-4.5": _rotated_tuned("4.5"),
+    "kvtuner-rot-3.5": _rotated_tuned("3.5"),
 }
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 DEFAULT_CONFIGS = ("fp", "int8", "kivi-4", "kivi-2", "kvquant-4-1pct", "kvquant-3-1pct", "kvquant-2-1pct", "rot-k4v3",
-                   "rot-k3v2", "kvquant-2-rotv")
+                   "rot-k3v2", "kvquant-2-rotv", "kvtuner-rot-4.5", "kvtuner-rot-3.5")
 DEFAULT_BUDGET = 3.0  # KVTuner's average (key + value) bits per layer
 
 

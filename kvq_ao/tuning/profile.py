@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvq_ao.config import CODEBOOK_BITS, FP, KVQuantConfig, LayerKV, QuantSpec
+from kvq_ao.config import FP, KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.files import atomic_write
 from kvq_ao.tuning.pareto import CANDIDATES, Pair, check_pair
 
@@ -74,16 +74,10 @@ def base_config(residual_length: int = 128, sink_tokens: int = 0, group_size: in
                          name="tune-base")  # fmt: skip
 
 
-def _spec(bits: int, like: QuantSpec) -> QuantSpec:
-    # Codebook levels exist for 2-4 bits; at 8 bits uniform int is already near lossless (K8V8 KL
-    # 6e-5 on SmolLM2), so 8-bit candidates are int whatever the base datatype: a stated rule.
-    # Everything else (axis, groups, outliers, calibrated ranges) is the base's.
-    return dataclasses.replace(like, bits=bits, dtype=like.dtype if bits in CODEBOOK_BITS else "int")
-
-
 def layer_spec(pair: Pair, base: KVQuantConfig) -> LayerKV:
+    """The base's layer at `pair`'s (key bits, value bits) (`QuantSpec.at_bits`)."""
     check_pair(pair)
-    return LayerKV(_spec(pair[0], base.default.key), _spec(pair[1], base.default.value))
+    return LayerKV(base.default.key.at_bits(pair[0]), base.default.value.at_bits(pair[1]))
 
 
 def assignment_config(pairs: list[Pair], base: KVQuantConfig, name: str = "tuned") -> KVQuantConfig:

@@ -196,7 +196,8 @@ def test_a_rotated_cache_exports_to_executorch_and_onnx_and_matches_eager(metada
         assert new == [int(x.argmax()) for x in eager[len(prompt) - 1 :]]
 
 
-@pytest.mark.parametrize("name,budget", [("rot-k4v3", 4.5), ("rot-k3v2", 3.5), ("rot-k3v2-recall", 3.5), ("kvquant-2-rotv", 2.5)])
+@pytest.mark.parametrize("name,budget", [("rot-k4v3", 4.5), ("rot-k3v2", 3.5), ("rot-k3v2-recall", 3.5), ("kvquant-2-rotv", 2.5),
+                                         ("kvtuner-rot-4.5", 4.5), ("kvtuner-rot-3.5", 3.5)])  # fmt: skip
 def test_rotated_presets_fit_their_budget_and_generate_once_calibrated(name, budget, tmp_path):
     """Each rotated preset stays within the bits per element it was chosen for (SmolLM2's shape,
     4096 tokens, everything counted), stores what it says, and runs once calibrated."""
@@ -230,3 +231,17 @@ def test_rot_k3v2_recall_is_the_per_layer_config_its_measurements_ran():
     same = lambda c: dataclasses.replace(c, layers=(), depth_spans=(), name="")  # noqa: E731
     assert same(preset) == same(measured)
     assert preset.default == KVQuantConfig.preset("rot-k3v2").default and preset.residual_length == 48
+
+
+@pytest.mark.parametrize("budget", ["4.5", "3.5"])
+def test_kvtuner_rot_presets_are_the_configs_kvtuner_found_and_spread_by_depth(budget):
+    """docs/rotation.md measured the configs `kvq tune` wrote (one spec per layer of SmolLM2's 30);
+    the preset says the same with depth spans: on 30 layers it must resolve to those specs exactly
+    and keep everything else, and a shallower model's layers take the pair found at their depth."""
+    measured = KVQuantConfig.load(f"results/tune/tuned-rot-m8-{budget}.json")
+    preset = KVQuantConfig.preset(f"kvtuner-rot-{budget}")
+    assert preset.resolve(30) == measured.layers
+    same = lambda c: dataclasses.replace(c, layers=(), depth_spans=(), name="", calibration=None)  # noqa: E731
+    assert same(preset) == same(measured)
+    assert all(s.metadata == "8-bit" and s.rotated for kv in preset.resolve(30) for s in (kv.key, kv.value))
+    assert list(preset.resolve(4)) == [measured.layers[int((i + 0.5) * 30 / 4)] for i in range(4)]
