@@ -140,8 +140,8 @@ def _softmax_step_dot(m, l, acc, scores, v, PRECISION: tl.constexpr):
 
 @triton.jit
 def _chunk_attention(
-    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx,
-    v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx,
+    q, k_codes, k_scale, k_zero, k_table, k_codebook, k_out_val, k_out_idx,
+    v_codes, v_scale, v_zero, v_table, v_codebook, v_out_val, v_out_idx,
     side_k, side_v, side_pos, mask, inv_freq, body_end, out,
     body_start, T, S, TQ, HKV, HQ, scaling, rope_scale, softcap,
     N: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DH: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
@@ -150,7 +150,7 @@ def _chunk_attention(
     K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
     V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
     BLOCK_Q: tl.constexpr, M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-    K_QUERY: tl.constexpr = 0,
+    K_QUERY: tl.constexpr = 0, K_META: tl.constexpr = 0, V_META: tl.constexpr = 0,
 ):  # fmt: skip
     """Queries [tile * BLOCK_Q, + BLOCK_Q) of all N query heads of kv head (program 0 = b * HKV + h),
     as M rows (head-major), over the body blocks any row may read and then the side store, with an
@@ -211,20 +211,20 @@ def _chunk_attention(
                 s = softcap * _tanh(s / softcap)
             s = tl.where(allow, s, float("-inf"))
         elif PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
-            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, D,
-                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+            k = _block_values(k_codes, k_scale, k_zero, k_table, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T,
+                              BLOCK_T, D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT, K_META)  # fmt: skip
             k1, k2 = tl.split(tl.permute(tl.reshape(k, [BLOCK_T, 2, HALF]), (0, 2, 1)))
             k1, k2 = _rope(k1, k2, t, inv_freq, dh, ok_dh, rope_scale)
             s = _dot_scores(q1, q2, k1, k2, allow, scaling, softcap, SOFTCAP, PRECISION)
         else:
-            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, D,
-                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+            k = _block_values(k_codes, k_scale, k_zero, k_table, k_levels, k_out_val, k_out_idx, row, blk * BLOCK_T, ok_t, T,
+                              BLOCK_T, D, K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT, K_META)  # fmt: skip
             s = tl.dot(qf, tl.trans(k), input_precision=PRECISION) * scaling
             if SOFTCAP:
                 s = softcap * _tanh(s / softcap)
             s = tl.where(allow, s, float("-inf"))
-        v = _block_values(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, blk * BLOCK_T, ok_t, T, BLOCK_T, DV,
-                          V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
+        v = _block_values(v_codes, v_scale, v_zero, v_table, v_levels, v_out_val, v_out_idx, row, blk * BLOCK_T, ok_t, T,
+                          BLOCK_T, DV, V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT, V_META)  # fmt: skip
         m, l, acc = _softmax_step_dot(m, l, acc, s, v, PRECISION)
     for s0 in range(0, S, BLOCK_S):  # the side store: each row reads the entries outside its body range
         j = s0 + tl.arange(0, BLOCK_S)

@@ -22,6 +22,7 @@ ONE_ROW = tl.constexpr(fmt.ONE_ROW)
 # 1.5 * 2**23: (x + M) - M rounds a float32 |x| < 2**22 half to even. A constexpr: compiled Triton
 # refuses plain module globals inside @jit (its interpreter does not).
 ROUND_MAGIC = tl.constexpr(12582912.0)
+INV_ZERO_STEPS = tl.constexpr(1.0 / fmt.ZERO_STEPS)  # an exact power of two
 
 
 def supported(head_dim: int, k, v) -> bool:
@@ -44,6 +45,12 @@ def chunk_key_block(block: int, k) -> int:
     per-channel groups at most one group (its 64 query rows rounded for several scale rows at once
     did not compile within the registers; decode's 16 rows take a whole block)."""
     return min(block, k.group) if fmt.is_int_query(k.query_bits) and k.group != fmt.ONE_ROW else block
+
+
+def meta_levels(o) -> int:
+    """The kernels' K_META / V_META: L of an operand with 8-bit scale and zero (`kvq_ao.format`,
+    the range in units of its scale), 0 for float metadata."""
+    return fmt.range_levels(o.bits, o.codebook is not None) if o.meta8 else 0
 
 
 def query_levels(k) -> int:
@@ -104,11 +111,26 @@ def _block_levels(codes, levels, first, ok_t, BT: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T, BT: tl.constexpr, D: tl.constexpr,
-                  BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr, CODEBOOK: tl.constexpr, N_OUT: tl.constexpr):  # fmt: skip
+def _token_meta(scale, zero, table, at, ok, META: tl.constexpr):
+    """Float32 scale and zero of the per-token groups at indices `at`: stored floats (META 0), or
+    8-bit codes decoded as kvq_ao/format.py defines them, scale = table[s] (the 256 scales) and
+    zero = -(scale * float(META * z)) * 2**-8 with META = L, the same float32 steps as every kernel."""
+    if META > 0:
+        s = tl.load(table + tl.load(scale + at, mask=ok, other=0).to(tl.int32))
+        z = -(s * (tl.load(zero + at, mask=ok, other=0).to(tl.int32) * META).to(tl.float32)) * INV_ZERO_STEPS
+    else:
+        s = tl.load(scale + at, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(zero + at, mask=ok, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _block_values(codes, scale, zero, table, levels, out_val, out_idx, row, t0, ok_t, T, BT: tl.constexpr, D: tl.constexpr,
+                  BITS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr, CODEBOOK: tl.constexpr, N_OUT: tl.constexpr,
+                  META: tl.constexpr):  # fmt: skip
     """Float32 values [BT, D] at body positions t0 + [0, BT) of operand row `row` (= batch * heads
-    + head), scales and zeros loaded once per group; `levels`: the codebook's 2**BITS values (a
-    register tensor, `_levels`) when CODEBOOK."""
+    + head), scales and zeros loaded once per group (8-bit ones decoded there, `_token_meta`);
+    `levels`: the codebook's 2**BITS values (a register tensor, `_levels`) when CODEBOOK."""
     first = row * T + t0  # int64 vector index of the block's first token
     ch = tl.arange(0, D)
     tok = first + tl.arange(0, BT)
@@ -119,8 +141,7 @@ def _block_values(codes, scale, zero, levels, out_val, out_idx, row, t0, ok_t, T
         if AXIS == AXIS_TOKEN:  # per-token groups of GROUP channels: metadata [.., T, D / GROUP]
             NG: tl.constexpr = D // GROUP
             meta = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-            s = tl.load(scale + meta, mask=ok_t[:, None], other=0.0).to(tl.float32)
-            z = tl.load(zero + meta, mask=ok_t[:, None], other=0.0).to(tl.float32)
+            s, z = _token_meta(scale, zero, table, meta, ok_t[:, None], META)
             x = tl.reshape(tl.reshape(level, [BT, NG, GROUP]) * s[:, :, None] + z[:, :, None], [BT, D])
         elif GROUP == ONE_ROW:  # calibrated ranges: one row [.., 1, D] for every position
             s = tl.load(scale + row * D + ch).to(tl.float32)
@@ -210,4 +231,4 @@ def _int_query_scores(qf, codes, scale, zero, row, t0, ok_t, T, BT: tl.constexpr
         return tl.reshape(tl.permute(out, (1, 0, 2)), [M, BT])
 
 
-__all__ = ["_block_levels", "_block_values", "_int_query_scores", "_levels", "_plane_codes", "chunk_key_block", "query_levels", "supported"]
+__all__ = ["_block_levels", "_block_values", "_token_meta", "meta_levels", "_int_query_scores", "_levels", "_plane_codes", "chunk_key_block", "query_levels", "supported"]

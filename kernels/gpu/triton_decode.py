@@ -39,7 +39,7 @@ import triton.language as tl
 from kvq_ao import format as fmt
 from kvq_ao.kernels.gpu.triton_attention import (_allowed, _max, _query_halves, _rope, _scores, _side_keys, _softmax_step, _sum,
                                                  _tanh)
-from kvq_ao.kernels.gpu.triton_blocks import _block_levels, _block_values, _int_query_scores, _levels
+from kvq_ao.kernels.gpu.triton_blocks import _block_levels, _block_values, _int_query_scores, _levels, _token_meta
 
 FLOAT_BITS = tl.constexpr(fmt.FLOAT_BITS)
 AXIS_TOKEN = tl.constexpr(fmt.AXIS_TOKEN)
@@ -64,8 +64,8 @@ def _kv_head(HKV, N: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _decode_split(
-    q, k_codes, k_scale, k_zero, k_codebook, k_out_val, k_out_idx,
-    v_codes, v_scale, v_zero, v_codebook, v_out_val, v_out_idx,
+    q, k_codes, k_scale, k_zero, k_table, k_codebook, k_out_val, k_out_idx,
+    v_codes, v_scale, v_zero, v_table, v_codebook, v_out_val, v_out_idx,
     mask, inv_freq, body_end, part_m, part_l, part_acc,
     body_start, T, HKV, HQ, n_splits, scaling, rope_scale, softcap,
     N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
@@ -73,6 +73,7 @@ def _decode_split(
     K_BITS: tl.constexpr, K_AXIS: tl.constexpr, K_GROUP: tl.constexpr, K_CODEBOOK: tl.constexpr, K_OUT: tl.constexpr,
     V_BITS: tl.constexpr, V_AXIS: tl.constexpr, V_GROUP: tl.constexpr, V_CODEBOOK: tl.constexpr, V_OUT: tl.constexpr,
     BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, K_QUERY: tl.constexpr = 0,
+    K_META: tl.constexpr = 0, V_META: tl.constexpr = 0,
 ):  # fmt: skip
     """Split `split` of kv head (program 0 = b * HKV + h): the N query heads sharing it as M >= 16
     matrix rows; writes the first NP rows' running max, sum and weighted sum. The products take
@@ -101,15 +102,15 @@ def _decode_split(
             s = _int_query_scores(qf.to(tl.float32), k_codes, k_scale, k_zero, row, t0, ok_t, T, BLOCK_T, D, K_BITS, K_GROUP,
                                   K_QUERY)  # fmt: skip
         elif PRE_ROPE:  # the halves [0, D/2) and [D/2, D), rotated at their positions
-            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
-                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+            k = _block_values(k_codes, k_scale, k_zero, k_table, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
+                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT, K_META)  # fmt: skip
             k1, k2 = tl.split(tl.permute(tl.reshape(k, [BLOCK_T, 2, HALF]), (0, 2, 1)))
             k1, k2 = _rope(k1, k2, t, inv_freq, dh, dh < HALF, rope_scale)
             s = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=PRECISION)
             s = s + tl.dot(q2, tl.trans(k2.to(q1.dtype)), input_precision=PRECISION)
         else:
-            k = _block_values(k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
-                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT)  # fmt: skip
+            k = _block_values(k_codes, k_scale, k_zero, k_table, k_levels, k_out_val, k_out_idx, row, t0, ok_t, T, BLOCK_T, D,
+                              K_BITS, K_AXIS, K_GROUP, K_CODEBOOK, K_OUT, K_META)  # fmt: skip
             s = tl.dot(qf, tl.trans(k.to(qf.dtype)), input_precision=PRECISION)
         s = s * scaling
         if SOFTCAP:
@@ -125,14 +126,13 @@ def _decode_split(
             # one scale and zero a value vector: P V = (P * scale) L + (P zero) 1^T, so the metadata is
             # two [BLOCK_T] vectors in P's layout instead of a [BLOCK_T, DV] broadcast
             tok = row * T + t
-            v_s = tl.load(v_scale + tok, mask=ok_t, other=0.0).to(tl.float32)
-            v_z = tl.load(v_zero + tok, mask=ok_t, other=0.0).to(tl.float32)
+            v_s, v_z = _token_meta(v_scale, v_zero, v_table, tok, ok_t, V_META)
             v = _block_levels(v_codes, v_levels, row * T + t0, ok_t, BLOCK_T, DV, V_BITS, V_CODEBOOK)
             acc = acc * alpha[:, None] + tl.dot((p * v_s[None, :]).to(q1.dtype), v.to(q1.dtype), input_precision=PRECISION)
             acc = acc + _sum(p * v_z[None, :], 1)[:, None]
         else:
-            v = _block_values(v_codes, v_scale, v_zero, v_levels, v_out_val, v_out_idx, row, t0, ok_t, T, BLOCK_T, DV,
-                              V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT)  # fmt: skip
+            v = _block_values(v_codes, v_scale, v_zero, v_table, v_levels, v_out_val, v_out_idx, row, t0, ok_t, T, BLOCK_T, DV,
+                              V_BITS, V_AXIS, V_GROUP, V_CODEBOOK, V_OUT, V_META)  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v.to(q1.dtype), input_precision=PRECISION)
         m = m_new
     part = (row * n_splits + split) * NP + heads

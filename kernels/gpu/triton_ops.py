@@ -127,13 +127,13 @@ def _operand_launch(o: Operand, prefix: str, dummy: torch.Tensor) -> tuple[dict,
     (`k_codes`, ...; absent ones replaced by a dummy pointer the kernel never reads) and its
     compile-time format."""
     tensors = {f"{prefix}_{name}": getattr(o, name) for name in OPERAND_TENSORS if name != "side"}
-    if o.meta8:  # 8-bit scale and zero: decoded to float32 before the launch (a pass over the metadata only)
-        levels = fmt.range_levels(o.bits, o.codebook is not None)
-        tensors[f"{prefix}_scale"], tensors[f"{prefix}_zero"] = metadata.decode(o.scale, o.zero, levels, fmt.meta_exponent(o.meta))
+    # 8-bit scale and zero: the kernels decode the codes where they load them, scales from this table
+    tensors[f"{prefix}_table"] = metadata.scales(fmt.meta_exponent(o.meta), o.codes.device) if o.meta8 else None
     tensors = {name: dummy if t is None else t.contiguous() for name, t in tensors.items()}
     if o.codebook is not None:
         tensors[f"{prefix}_codebook"] = tensors[f"{prefix}_codebook"].float()
-    form = dict(BITS=o.bits, AXIS=o.axis, GROUP=o.group, CODEBOOK=o.codebook is not None, OUT=o.n_outliers)
+    form = dict(BITS=o.bits, AXIS=o.axis, GROUP=o.group, CODEBOOK=o.codebook is not None, OUT=o.n_outliers,
+                META=triton_blocks.meta_levels(o))
     return tensors, {f"{prefix.upper()}_{k}": v for k, v in form.items()}
 
 

@@ -60,6 +60,14 @@ def matrix_launches() -> list:
                              (2, AXIS_TOKEN, True, 2)), ((0, AXIS_TOKEN, False, 0), (8, AXIS_CHANNEL, False, 0))]:  # fmt: skip
             for extra in (dict(), dict(per_query=True, pre_rope=True, softcap=2.0)):
                 attend(streaming_case(0, 5, k_fmt, v_fmt, **extra), torch.ops.kvq.triton_chunk_attention)
+        # 8-bit scale and zero, decoded in the kernels: one group a vector (values on the per-vector
+        # path), groups of 32 with codebooks and outliers, and pre-RoPE keys; then chunk attention
+        for k_fmt, v_fmt, extra in (((4, AXIS_TOKEN, 64, False, 0, 0, True), (3, AXIS_TOKEN, 64, True, 0, 0, True), {}),
+                                    ((4, AXIS_TOKEN, 32, False, 1, 0, True), (3, AXIS_TOKEN, 32, True, 1, 0, True), {}),
+                                    ((3, AXIS_TOKEN, 16, True, 0, 0, True), (2, AXIS_TOKEN, 16, False, 0, 0, True), dict(pre_rope=True))):  # fmt: skip
+            attend(native_case(0, k_fmt=k_fmt, v_fmt=v_fmt, blocks=2, **extra), torch.ops.kvq.triton_decode_attention)
+        attend(streaming_case(0, 5, (3, AXIS_TOKEN, True, 1, 32), (2, AXIS_TOKEN, False, 0), meta8=True, pre_rope=True),
+               torch.ops.kvq.triton_chunk_attention)
         for bits in (8, 16):  # keys scored against an integer query
             attend(streaming_case(0, 5, (4, AXIS_CHANNEL, False, 0), (2, AXIS_TOKEN, False, 0), k_query_bits=bits, softcap=2.0),
                    torch.ops.kvq.triton_chunk_attention)
