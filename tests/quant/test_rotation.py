@@ -245,3 +245,24 @@ def test_kvtuner_rot_presets_are_the_configs_kvtuner_found_and_spread_by_depth(b
     assert same(preset) == same(measured)
     assert all(s.metadata == "8-bit" and s.rotated for kv in preset.resolve(30) for s in (kv.key, kv.value))
     assert list(preset.resolve(4)) == [measured.layers[int((i + 0.5) * 30 / 4)] for i in range(4)]
+
+
+def test_kvtuner_rot_preset_runs_on_gemma3_with_its_pairs_spread_by_depth(tmp_path):
+    """A 4-layer Gemma-3 (local and global RoPE, head_dim 256, MQA) takes kvtuner-rot-3.5: each layer
+    stores the pair found at its depth in SmolLM2's 30, calibrated, and generation reads the codes."""
+    from kvq_ao.calibration import calibrate
+    from tests.conftest import tiny_gemma
+
+    cfg = KVQuantConfig.preset("kvtuner-rot-3.5")
+    model = tiny_gemma(3, seed=2)
+    ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+    path = calibrate(model, ids, cfg, progress=False).save(tmp_path / "gemma3.json")
+    quantize_kv_(model, dataclasses.replace(cfg, calibration=str(path)))
+    with torch.no_grad():
+        out = model.generate(ids[:1, :40], attention_mask=torch.ones_like(ids[:1, :40]), max_new_tokens=130, do_sample=False,
+                             return_dict_in_generate=True)  # fmt: skip
+    want = cfg.resolve(4)
+    for layer, kv in zip(out.cache.layers, want):
+        assert int(layer.body_end) > 0 and layer.k_body.spec == kv.key and layer.v_body.spec == kv.value
+        assert layer.k_body.scale.dtype == layer.v_body.scale.dtype == torch.uint8  # 8-bit scale and zero
+    assert len({(kv.key.bits, kv.value.bits) for kv in want}) > 1  # the depths take different pairs
