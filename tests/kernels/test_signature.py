@@ -58,14 +58,17 @@ def test_no_kernel_source_spells_the_operand_list_or_a_format_sentinel():
 
 def test_the_triton_kernels_take_each_operand_field_by_its_name():
     """The ops launch the attention kernels with `<k|v>_<field>` keywords built from the operand
-    (`kernels/gpu/triton_ops.py`): each kernel's operand parameters are exactly those names."""
+    (`kernels/gpu/triton_ops.py`): each kernel's operand parameters are exactly those names, plus
+    `<k|v>_table`, the 256 scales of 8-bit metadata, which the ops derive from the `meta` format
+    number (it is no tensor of the operand)."""
     from kvq_ao.kernels.gpu import triton_attention, triton_decode
 
     body = [name for name in fmt.OPERAND_TENSORS if name != "side"]
     for kernel in (triton_decode._decode_split, triton_attention._chunk_attention):
         params = [p.name for p in kernel.params]
         for prefix in ("k", "v"):
-            assert [p for p in params if p.startswith(f"{prefix}_")] == [f"{prefix}_{name}" for name in body], kernel.__name__
+            fields = [p for p in params if p.startswith(f"{prefix}_") and p != f"{prefix}_table"]
+            assert fields == [f"{prefix}_{name}" for name in body] and f"{prefix}_table" in params, kernel.__name__
 
 
 def _reversed_copy(folder: Path) -> Path:
