@@ -623,15 +623,14 @@ struct Operand {
   bool int_query = false;                         // keys scored against an integer query (kvq_format::kInt8Query, kInt16Query)
   int32_t query_levels = 0;                       // its steps a side (127: int8; 32512: int16, two int8 digits)
   bool meta8 = false;                             // scale and zero as 8-bit codes (kvq_format::is_meta8), per-token groups
-  float meta_scale[256] = {};                     // what a scale code decodes to: 2^e * kScaleTable[s]
-  int meta_levels = 0;                            // L of the zero's decoding: 2^bits - 1, or 1 with a codebook
+  kvq_format::MetaTable meta_table;               // what its codes decode to (L: 2^bits - 1, or 1 with a codebook)
 
   // 8-bit metadata of n groups (scale codes s, zero codes z) as floats: scale = S[s],
   // zero = -(scale * float(L * z)) * 2^-8, in float32 as kvq_ao/format.py writes it.
   void decode_meta(const uint8_t* s, const uint8_t* z, int64_t n, float* scale, float* zero) const {
     for (int64_t i = 0; i < n; ++i) {
-      scale[i] = meta_scale[s[i]];
-      zero[i] = kvq_format::meta_zero(scale[i], meta_levels, z[i]);
+      scale[i] = meta_table.scale[s[i]];
+      zero[i] = meta_table.zero(scale[i], z[i]);
     }
   }
 
@@ -1519,10 +1518,7 @@ inline Operand make_operand(const char* name, const OperandArgs& in, int64_t dim
       load_floats(codebook.data, codebook.dtype, 1 << bits, o.levels);
       o.codebook = true;
     }
-    if (o.meta8) {
-      for (int c = 0; c < 256; ++c) o.meta_scale[c] = kvq_format::meta_scale(in.meta, c);
-      o.meta_levels = kvq_format::range_levels(bits, o.codebook);
-    }
+    if (o.meta8) o.meta_table = kvq_format::MetaTable(in.meta, kvq_format::range_levels(bits, o.codebook));
     o.scale_p = scale.bytes();
     o.zero_p = zero.bytes();
     o.scale_t = scale.dtype;

@@ -163,16 +163,11 @@ inline void store_scale(void* out, int64_t i, float v, const ScaleInfo& si) {
 // above 2^e, the zero a fraction z / 256 of the range below 0; coded by format.py's rule with
 // float32 multiplies and compares only, so these bytes are the reference's
 // (kvq_ao.quant.metadata.encode_range).
-struct Meta8 {
-  float scale[256];   // S[c] = 2^e * kScaleTable[c] (exact)
-  float scaled[256];  // fl(S[c] * L)
-  int levels;
+struct Meta8 : kvq_format::MetaTable {  // scale[c] = S[c] = 2^e * kScaleTable[c] (exact), levels = L
+  float scaled[256];                     // fl(S[c] * L)
 
-  Meta8(int64_t meta, int levels_) : levels(levels_) {
-    for (int c = 0; c < 256; ++c) {
-      scale[c] = kvq_format::meta_scale(meta, c);
-      scaled[c] = scale[c] * static_cast<float>(levels);
-    }
+  Meta8(int64_t meta, int levels_) : kvq_format::MetaTable(meta, levels_) {
+    for (int c = 0; c < 256; ++c) scaled[c] = scale[c] * static_cast<float>(levels);
   }
 
   // The coder of `meta` for codes of `bits` (with or without a codebook); none for float metadata.
@@ -181,7 +176,7 @@ struct Meta8 {
     return std::optional<Meta8>(std::in_place, meta, kvq_format::range_levels(bits, codebook));
   }
 
-  float zero_of(float s, int z) const { return kvq_format::meta_zero(s, levels, z); }
+  float zero_of(float s, int z) const { return zero(s, z); }
 
   // The smallest z in [0, 255] whose zero lies at or below lo (255 if none): zero_of falls as z grows.
   int zero_code(float s, float lo) const {

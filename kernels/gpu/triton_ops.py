@@ -122,13 +122,31 @@ def _splits(q: torch.Tensor, rows: int, capacity: int, block: int) -> int:
 
 
 
+_SCALE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _scale_table(meta: int, like: torch.Tensor) -> torch.Tensor:
+    """The 256 scales of 8-bit metadata `meta` on `like`'s device, which the kernels look codes up in.
+
+    Built once per (exponent, device) for real tensors: rebuilt on every decode step it costs about
+    20 tiny launches (metadata.scales' selects). Under tracing (`like` a fake or functional tensor)
+    it is built in the graph instead, so no tensor of one trace is handed to another."""
+    exponent = fmt.meta_exponent(meta)
+    if type(like) is not torch.Tensor:
+        return metadata.scales(exponent, like.device)
+    key = (exponent, like.device)
+    if key not in _SCALE_TABLES:
+        _SCALE_TABLES[key] = metadata.scales(exponent, like.device)
+    return _SCALE_TABLES[key]
+
+
 def _operand_launch(o: Operand, prefix: str, dummy: torch.Tensor) -> tuple[dict, dict]:
     """One operand as keyword launch arguments: its body tensors under the kernels' parameter names
     (`k_codes`, ...; absent ones replaced by a dummy pointer the kernel never reads) and its
     compile-time format."""
     tensors = {f"{prefix}_{name}": getattr(o, name) for name in OPERAND_TENSORS if name != "side"}
     # 8-bit scale and zero: the kernels decode the codes where they load them, scales from this table
-    tensors[f"{prefix}_table"] = metadata.scales(fmt.meta_exponent(o.meta), o.codes.device) if o.meta8 else None
+    tensors[f"{prefix}_table"] = _scale_table(o.meta, o.codes) if o.meta8 else None
     tensors = {name: dummy if t is None else t.contiguous() for name, t in tensors.items()}
     if o.codebook is not None:
         tensors[f"{prefix}_codebook"] = tensors[f"{prefix}_codebook"].float()
@@ -263,7 +281,7 @@ def triton_quantize(
     meta8 = fmt.is_meta8(meta)
     scale = x.new_empty(meta_shape, dtype=torch.uint8 if meta8 else scale_dtype)
     zero = x.new_empty(meta_shape, dtype=torch.uint8 if meta8 else scale_dtype)
-    table = metadata.scales(fmt.meta_exponent(meta), x.device) if meta8 else x  # the 256 scales of 8-bit metadata
+    table = _scale_table(meta, x) if meta8 else x  # the 256 scales of 8-bit metadata
     out_val = x.new_empty([b, h, t, n_outliers])
     out_idx = x.new_empty([b, h, t, n_outliers], dtype=torch.uint8)
     rows = b * h * t

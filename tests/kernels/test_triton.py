@@ -5,6 +5,7 @@ backend by tests/kernels/test_conformance.py (in Triton's interpreter) and their
 GPUs by tests/kernels/test_triton_aot.py.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need triton (installed with the test extra)")
 
-from kvq_ao import KVQuantConfig, quantize_kv_  # noqa: E402
+from kvq_ao import KVQuantConfig, LayerKV, quantize_kv_  # noqa: E402
 from kvq_ao.format import AXIS_CHANNEL, AXIS_TOKEN, format_ints  # noqa: E402
 from kvq_ao.kernels import gpu, reference  # noqa: E402
 from kvq_ao.ops import ATTENTION_SCHEMA  # noqa: E402
@@ -197,7 +198,7 @@ def inspecting_backend():
     return backend, graphs, aten
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "kvquant-nuq3-1pct", "kvquant-calibrated-ranges"])
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-2-m8", "kvquant-nuq3-1pct", "kvquant-calibrated-ranges"])
 def test_compiled_decode_step_on_the_triton_ops_is_one_graph_without_recompiles_or_host_syncs(preset):
     """generate(..., compile_config=compile_config()) of a quantized model while the Triton kernels
     serve CPU tensors, 20 decode steps: one Dynamo graph (fullgraph, so no graph break), no recompile
@@ -208,7 +209,12 @@ def test_compiled_decode_step_on_the_triton_ops_is_one_graph_without_recompiles_
 
     model = tiny_llama(seed=3)
     ranges = "calibrated" if preset == "kvquant-calibrated-ranges" else "online"
-    cfg = KVQuantConfig.preset("kivi-2") if preset == "kivi-2" else kvquant_config(bits=3, outliers=0.02, model=model, key_ranges=ranges)
+    if preset.startswith("kivi-2"):  # kivi-2-m8: values with 8-bit scale and zero, whose 256 scales eager caches
+        cfg = KVQuantConfig.preset("kivi-2")
+        if preset == "kivi-2-m8":
+            cfg = dataclasses.replace(cfg, default=LayerKV(cfg.default.key, dataclasses.replace(cfg.default.value, metadata="8-bit")))
+    else:
+        cfg = kvquant_config(bits=3, outliers=0.02, model=model, key_ranges=ranges)
     quantize_kv_(model, cfg)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
 
@@ -236,6 +242,28 @@ def test_compiled_decode_step_on_the_triton_ops_is_one_graph_without_recompiles_
     assert torch.equal(eager.sequences, compiled.sequences)
     for a, b in zip(eager.scores, compiled.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_scale_table_of_8_bit_metadata_is_built_once_per_exponent_and_device_but_never_cached_from_a_trace():
+    """A decode step of an 8-bit operand looks its scale codes up in a 256-float table. Eager calls
+    share one real tensor per (exponent, device), equal to metadata.scales; a fake tensor (what a
+    torch.compile trace sees) gets a fresh table of its own mode and leaves the cache as it was."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from kvq_ao.format import META_OFFSET
+    from kvq_ao.kernels.gpu import triton_ops
+    from kvq_ao.quant import metadata
+
+    codes = torch.zeros(4, dtype=torch.uint8)
+    first = triton_ops._scale_table(META_OFFSET - 9, codes)
+    assert triton_ops._scale_table(META_OFFSET - 9, codes.clone()) is first
+    assert torch.equal(first, metadata.scales(-9))
+    other = triton_ops._scale_table(META_OFFSET - 10, codes)
+    assert other is not first and torch.equal(other, first / 2)
+    cached = dict(triton_ops._SCALE_TABLES)
+    with FakeTensorMode() as mode:
+        traced = triton_ops._scale_table(META_OFFSET - 11, mode.from_tensor(codes))
+    assert isinstance(traced, FakeTensor) and triton_ops._SCALE_TABLES == cached
 
 
 def test_the_host_sync_check_sees_a_host_sync():
