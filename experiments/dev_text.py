@@ -66,7 +66,7 @@ def dev_row(model, dev: torch.Tensor, config: KVQuantConfig, **labels) -> dict:
     t0 = time.perf_counter()
     r = evaluate(model, dev, config)
     row = dict(**labels, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1))
-    print(json.dumps(row), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if not isinstance(v, (list, dict))}), flush=True)
     return row
 
 

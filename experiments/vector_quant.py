@@ -104,8 +104,9 @@ def quantize_vectors(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return (centroids[nearest].reshape(x.shape) * s).to(x.dtype)
 
 
-def install(books: dict | None) -> None:
-    """Route every body write through the vector code of its (layer, kind) (None: plain writes)."""
+def install_transform(transform) -> None:
+    """Route every body write through transform((layer, kind), x) before the plain encode (None:
+    plain writes): how an emulated code replaces what the cache stores."""
     if not hasattr(_BodyStore, "_plain_encode"):
         _BodyStore._plain_encode = _BodyStore._encode
         QuantizedLayer._plain_init = QuantizedLayer.lazy_initialization
@@ -116,12 +117,17 @@ def install(books: dict | None) -> None:
             self.v_body._vq_key = (self.layer_idx, "value")
 
         def encode(self, x):
-            book = _BodyStore._books.get(getattr(self, "_vq_key", None)) if _BodyStore._books else None
-            return _BodyStore._plain_encode(self, x if book is None else quantize_vectors(x, book))
+            key = getattr(self, "_vq_key", None)
+            return _BodyStore._plain_encode(self, x if _BodyStore._transform is None or key is None else _BodyStore._transform(key, x))
 
         QuantizedLayer.lazy_initialization = lazy_initialization
         _BodyStore._encode = encode
-    _BodyStore._books = books
+    _BodyStore._transform = transform
+
+
+def install(books: dict | None) -> None:
+    """Route every body write through the vector code of its (layer, kind) (None: plain writes)."""
+    install_transform(None if books is None else lambda key, x: quantize_vectors(x, books[key]) if key in books else x)
 
 
 def storage_config(window: int) -> KVQuantConfig:
