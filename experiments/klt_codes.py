@@ -154,6 +154,40 @@ def fit(acts, budgets: dict[str, float], head_dim: int, report: list, metric: st
     return codes
 
 
+@dataclasses.dataclass
+class ScaledRotation:
+    """The control beside the KLT: the rotated presets' code (each vector rotated by the Hadamard
+    matrix, uniform levels between its min and max) after each channel is scaled by the square root
+    of its mean Fisher information (geometric mean 1), undone after decoding. A diagonal scale folds
+    into the query's transform (q / s) or the output's, so a kernel would read it at no cost."""
+    scale: torch.Tensor  # [D] per channel (unrotated)
+    r: torch.Tensor
+    bits: int
+
+    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x.float() @ self.r.T * self.scale) @ self.r
+        lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+        step = ((hi - lo) / (2**self.bits - 1)).clamp(min=1e-12)
+        y = torch.round((y - lo) / step) * step + lo
+        return ((y @ self.r.T / self.scale) @ self.r).to(x.dtype)
+
+
+def fit_scaled(acts, budgets: dict[str, float], head_dim: int, scaled: bool = True) -> dict:
+    """Per (layer, kind): a ScaledRotation per kv head (scaled False: the plain rotated code)."""
+    r = rotation.rotation_matrix(head_dim)
+    codes = {}
+    for kind in ("key", "value"):
+        xs, fs = acts.of(kind)
+        for layer, f in enumerate(fs):
+            heads = []
+            for h in range(f.shape[1]):
+                m = f[:, h, 1:].reshape(-1, head_dim).double().mean(0).clamp(min=1e-30).sqrt()
+                m = m / m.log().mean().exp() if scaled else torch.ones_like(m)
+                heads.append(ScaledRotation(m.float(), r, int(budgets[kind])))
+            codes[(layer, kind)] = heads
+    return codes
+
+
 def transform_of(codes: dict):
     def transform(key, x):
         heads = codes.get(key)
@@ -187,6 +221,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=48)
     ap.add_argument("--kinds", default="key,value", help="which kinds are coded (the others stay at the store's 8 bits)")
     ap.add_argument("--metric", default="vector", choices=["vector", "channel"], help="fit's error metric")
+    ap.add_argument("--code", default="klt", choices=["klt", "scaled-rotation", "rotation"],
+                    help="klt; or the rotated presets' per-vector code with (scaled-rotation) or without (rotation) the Fisher scale")
     ap.add_argument("--levels", default="kmeans", choices=["kmeans", "uniform"], help="each component's levels (level_set)")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
@@ -199,16 +235,22 @@ def main() -> None:
         budget = (k_bits + v_bits) / 2
         kinds = args.kinds.split(",")
         name = f"klt K{k_bits:g}/V{v_bits:g} bits w{args.window}" + ("" if len(kinds) == 2 else f" {kinds[0]}s only") + (" channel-Fisher" if args.metric == "channel" else "") + (" uniform" if args.levels == "uniform" else "")
+        if args.code != "klt":
+            name = f"{args.code} K{k_bits:g}/V{v_bits:g} w{args.window}" + ("" if len(kinds) == 2 else f" {kinds[0]}s only")
         if name in done:
             continue
         report: list = []
-        codes = fit(acts, {"key": k_bits, "value": v_bits}, 64, report, args.metric, args.levels)
-        ratio = [r["am_over_gm"] for r in report]
-        print(f"{name}: AM/GM of eigenvalues median {sorted(ratio)[len(ratio) // 2]:.2f}, max {max(ratio):.2f}", flush=True)
+        if args.code == "klt":
+            codes = fit(acts, {"key": k_bits, "value": v_bits}, 64, report, args.metric, args.levels)
+        else:
+            codes = fit_scaled(acts, {"key": k_bits, "value": v_bits}, 64, scaled=args.code == "scaled-rotation")
+        if report:
+            ratio = [r["am_over_gm"] for r in report]
+            print(f"{name}: AM/GM of eigenvalues median {sorted(ratio)[len(ratio) // 2]:.2f}, max {max(ratio):.2f}", flush=True)
         install_transform(transform_of({k: c for k, c in codes.items() if k[1] in kinds}))
         config = dataclasses.replace(storage_config(args.window), name=name)
         rows.append(dev_row(model, dev, config, budget=budget, fp_window=args.window, kinds=kinds, metric=args.metric, levels=args.levels,
-                            bits_at_4096=round(klt_bits(args.window, budget, codes), 4) if len(kinds) == 2 else None, allocation=report))  # fmt: skip
+                            bits_at_4096=round(klt_bits(args.window, budget, codes), 4) if len(kinds) == 2 and args.code == "klt" else None, code=args.code, allocation=report))  # fmt: skip
         install_transform(None)
         save_dev_rows(args.out, rows)
     print_dev_table(f"KLT transform codes, development text ({args.windows} windows)", rows,
