@@ -55,6 +55,15 @@ def dev_setup(threads: int, windows: int = 8):
     return model, dev, acts
 
 
+def post_rope_study(args):
+    """(model, development windows, post-RoPE calibration activations, rows saved at args.out, their
+    config names): what an emulation study over the rotated store starts from (`args.threads`,
+    `args.windows`, `args.out`), so a rerun skips the configs already measured."""
+    model, dev, activations_of = dev_model(args.threads, args.windows)
+    rows = load_dev_rows(args.out)
+    return model, dev, activations_of(False), rows, {r["config"] for r in rows}
+
+
 def calibrated_dev_row(model, dev: torch.Tensor, acts, config: KVQuantConfig, path: Path, **labels) -> dict:
     """Calibrate `config` on the shared calibration activations (saved to `path`), then `dev_row`."""
     saved = calibrate(model, None, config, activations=acts, progress=False).save(path)

@@ -35,7 +35,7 @@ import dataclasses
 import math
 
 import torch
-from dev_text import dev_model, dev_row, load_dev_rows, print_dev_table, save_dev_rows
+from dev_text import dev_row, post_rope_study, print_dev_table, save_dev_rows
 from vector_quant import install_transform, rms_code, storage_config
 
 from kvq_ao.memory import estimate
@@ -177,7 +177,7 @@ def fit_scaled(acts, budgets: dict[str, float], head_dim: int, scaled: bool = Tr
     r = rotation.rotation_matrix(head_dim)
     codes = {}
     for kind in ("key", "value"):
-        xs, fs = acts.of(kind)
+        _, fs = acts.of(kind)
         for layer, f in enumerate(fs):
             heads = []
             for h in range(f.shape[1]):
@@ -226,10 +226,7 @@ def main() -> None:
     ap.add_argument("--levels", default="kmeans", choices=["kmeans", "uniform"], help="each component's levels (level_set)")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
-    model, dev, activations_of = dev_model(args.threads, args.windows)
-    acts = activations_of(False)
-    rows = load_dev_rows(args.out)
-    done = {r["config"] for r in rows}
+    model, dev, acts, rows, done = post_rope_study(args)
     for pair in args.budgets.split(","):
         k_bits, v_bits = (float(x) for x in (pair.split("/") if "/" in pair else (pair, pair)))
         budget = (k_bits + v_bits) / 2

@@ -37,7 +37,7 @@ import argparse
 import dataclasses
 
 import torch
-from dev_text import dev_model, dev_row, load_dev_rows, print_dev_table, save_dev_rows
+from dev_text import dev_row, post_rope_study, print_dev_table, save_dev_rows
 
 from kvq_ao import KVQuantConfig, LayerKV, QuantSpec
 from kvq_ao.cache import QuantizedLayer, _BodyStore
@@ -157,10 +157,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=48)
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
-    model, dev, activations_of = dev_model(args.threads, args.windows)
-    acts = activations_of(False)
-    rows = load_dev_rows(args.out)
-    done = {r["config"] for r in rows}
+    model, dev, acts, rows, done = post_rope_study(args)
     for d in [int(x) for x in args.dims.split(",")]:
         name = f"{'scalar' if d == 1 else 'vq'} d={d} K{args.bits}V{args.bits} w{args.window}"
         if name in done:
