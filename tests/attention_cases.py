@@ -382,6 +382,14 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
                                     pre_rope=True, blocks=9, body_end=16 * 9 - 5),
     "meta8-values-calibrated-key-rows-pre-rope": dict(k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(2, AXIS_TOKEN, 64, False, 0, 0, True),
                                                       pre_rope=True, blocks=9),
+    # keys in per-token groups of one group a vector (the rotated presets' layout), scored from their codes:
+    # float16 metadata with outliers and codebooks, the 2-bit token-lane path over many tiles, 3-bit
+    # plane pairs, and passes of 4 + 1 heads at head_dim 128
+    "vector-keys-codebook-outliers": dict(k_fmt=(4, AXIS_TOKEN, 64, True, 2), v_fmt=(3, AXIS_TOKEN, 64, True, 0), blocks=9,
+                                          head_mask=True),
+    "vector-keys-k2-many-tiles": dict(hkv=1, batch=1, blocks=74, k_fmt=(2, AXIS_TOKEN, 64, False, 0), v_fmt=(2, AXIS_TOKEN, 64, False, 0)),
+    "vector-keys-k3-outliers-bf16": dict(k_fmt=(3, AXIS_TOKEN, 64, True, 1), dtype=torch.bfloat16, window=40),
+    "vector-keys-k8-gqa5-d128": dict(k_fmt=(8, AXIS_TOKEN, 128, False, 1), ratio=5, hkv=1, d=128, blocks=6),
     "meta8-float16-d128": dict(ratio=1, d=128, k_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True), v_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True),
                                dtype=torch.float16),
 }

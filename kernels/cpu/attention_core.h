@@ -638,6 +638,11 @@ struct Operand {
   // with per-token groups accumulated from their levels.
   void direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* lv,
                          float* scores, Scratch& tmp) const;
+  void vector_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* scores,
+                         Scratch& tmp) const;
+  // Keys that vector_key_scores serves: quantized, one per-token group a vector (the rotated
+  // formats' layout), float query, planes of whole 8-lane blocks.
+  bool vector_keys() const { return !is_float && !per_channel && group == dim && !int_query && fusable(); }
   void rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const float* cos_t, const float* sin_t, float* out,
                  Scratch& tmp) const;
   void direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv, const Scratch& tmp,
@@ -1941,6 +1946,46 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
   }
 }
 
+// Keys in per-token groups of one group a vector (the rotated formats): q . (s_j level_j + z_j) =
+// s_j (q . level_j) + z_j sum(q), so the bare levels are scored straight from the codes, as keys in
+// per-channel groups are (fused_scores, q itself in place of q times a scale row), and each score
+// then takes one multiply-add (before: the tile dequantized into floats, then scored).
+void Operand::vector_key_scores(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, float* scores,
+                                Scratch& tmp) const {
+  token_meta(bh, T, t0, count, tmp);
+  const int64_t first = bh * T + t0;
+  with_format([&](auto bits_c, auto cb_c) {
+    constexpr int B = decltype(bits_c)::value;
+    constexpr bool CB = decltype(cb_c)::value;
+    for (int h = 0; h < n_heads;) {  // passes of up to 4 heads
+      const float* qh = q + h * dim;
+      float* sh = scores + h * kTile;
+      const int left = n_heads - h;
+      if (left >= 4) fused_scores<B, CB, 4>(qh, first, count, sh), h += 4;
+      else if (left >= 3) fused_scores<B, CB, 3>(qh, first, count, sh), h += 3;
+      else if (left >= 2) fused_scores<B, CB, 2>(qh, first, count, sh), h += 2;
+      else fused_scores<B, CB, 1>(qh, first, count, sh), h += 1;
+    }
+  });
+  struct Ones {
+    alignas(64) float v[kMaxHeadDim] = {};
+    constexpr Ones() {
+      for (float& x : v) x = 1.f;
+    }
+  };
+  static constexpr Ones ones{};
+  for (int h = 0; h < n_heads; ++h) {
+    float* sh = scores + h * kTile;
+    const float q_sum = dot(q + h * dim, ones.v, dim);
+    for (int j = 0; j < count; ++j) sh[j] = tmp.tile_scale[j] * sh[j] + tmp.tile_zero[j] * q_sum;
+  }
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
+  for_each_outlier(first, count, [&](int j, int d, float exact) {
+    const float delta = exact - (tmp.tile_scale[j] * level_at(rows + j * row_bytes, d) + tmp.tile_zero[j]);
+    for (int h = 0; h < n_heads; ++h) scores[h * kTile + j] += q[h * dim + d] * delta;
+  });
+}
+
 // Pre-RoPE keys in per-channel groups (tile t0, `count` tokens; cos/sin tables times rope_scale) as
 // rotated float rows `kRow` apart, exact outliers patched in registers before the rotation
 // (rope_rows), segment by segment of one scale row: one pass instead of dequantize, patch, rotate.
@@ -2145,6 +2190,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   check(!(K.int_query && pre_rope), "an integer query needs post-RoPE keys (rope_inv_freq None)");
   const bool direct_k = !K.is_float && K.per_channel && !pre_rope;
   const bool rope_k = !K.is_float && K.per_channel && pre_rope && K.rope_fusable();
+  const bool vector_k = !pre_rope && K.vector_keys();
   const bool direct_v = !V.is_float && !V.per_channel && V.group % 8 == 0;
   const bool fused_v = direct_v && V.fusable();
 
@@ -2200,6 +2246,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
             const float* qg = q_data + (b * Hq + hkv * n_heads) * D;
             if (direct_k) {
               K.direct_key_scores(qg, nh, bh, T, t0, count, ktile, scores, *k_tmp);
+            } else if (vector_k) {
+              K.vector_key_scores(qg, nh, bh, T, t0, count, scores, *k_tmp);
             } else if (rope_k) {
               K.rope_tile(bh, T, t0, count, cos_t, sin_t, ktile, *k_tmp);
               score_rows(qg, nh, dk, count, ktile, scores);
