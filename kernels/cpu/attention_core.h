@@ -15,10 +15,11 @@
 //   group, else score all query heads of the group against its keys (GQA inside the kernel: each
 //   key is unpacked once per kv head), update each head's running max / sum / weighted sum (online
 //   softmax), and accumulate its values for all heads of the group;
-// * keys in per-channel groups (post-RoPE) and values in per-token groups are consumed as bare
-//   levels straight from the codes, in registers (fused_scores, fused_values): the scales ride on q
-//   and on the softmax weights. Other formats (pre-RoPE keys, rotated at their positions; per-token
-//   keys; per-channel values) are unpacked into a float tile in L1 first;
+// * keys in per-channel groups (post-RoPE) or in one per-token group a vector, and values in
+//   per-token groups, are consumed as bare levels straight from the codes, in registers
+//   (fused_scores, fused_values): the scales ride on q, on each score, and on the softmax weights.
+//   Other formats (pre-RoPE keys, rotated at their positions; keys in several per-token groups a
+//   vector; per-channel values) are unpacked into a float tile in L1 first;
 // * the tasks' partial results are merged with their log-sum-exp (split softmax).
 // Arithmetic is float32 throughout; GCC/Clang vector extensions give explicit 8-wide SIMD that
 // compiles to AVX2/AVX-512 or NEON (-march=native at build time), with scalar tails for any
