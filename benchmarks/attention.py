@@ -16,6 +16,9 @@ generating model would hold at that length. Variants:
   (codebook -> uniform levels, no outliers, post-RoPE keys): same bytes, so the differences say
   where the time goes.
 
+`--shape HQ,HKV,D` times another layer shape instead (a one-layer Llama with random weights;
+presets with calibrated levels then take `<preset>/nf`, the same kernel path without a calibration).
+
 Each row: median ms over `--repeats` rounds after a warm-up (within one length every variant but
 the slow reference is called once per round in turn, so all see the same phases of a noisy
 machine), the bytes a kernel must read (the filled rows of codes, scales and outliers, the
@@ -79,6 +82,16 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def shaped_model(hq: int, hkv: int, d: int, threads: int):
+    """A one-layer Llama with random weights whose attention has this shape (no tokenizer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(threads)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=hq,
+                         num_key_value_heads=hkv, head_dim=d, vocab_size=256, max_position_embeddings=1 << 20)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
 
 
 def filled_layer(model, preset: str, n: int):
@@ -160,6 +173,7 @@ ABLATIONS = {  # what the profile takes away: the op's arguments without one fea
 
 
 def main() -> None:
+    global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--presets", default="kivi-4,kivi-2,kvquant-3-1pct,kvquant-2-1pct")
@@ -168,9 +182,15 @@ def main() -> None:
     parser.add_argument("--reference-max", type=int, default=131072, help="longest context the slow reference kernel is timed at")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shape", default=f"{HQ},{HKV},{D}", help="query heads, kv heads, head_dim (other than SmolLM2's: a random model)")
     parser.add_argument("--out", default="results/attention/attention.json")
     args = parser.parse_args()
-    model, _ = smollm2(args.threads)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    if shape == (HQ, HKV, D):
+        model, _ = smollm2(args.threads)
+    else:
+        HQ, HKV, D = shape
+        model = shaped_model(HQ, HKV, D, args.threads)
     gbs = bandwidth_gbs()
     print(f"{machine()}, {args.threads} threads; copy bandwidth {gbs:.1f} GB/s", flush=True)
     variants = args.variants.split(",")
@@ -189,7 +209,7 @@ def main() -> None:
         rows.append(row)
         print(f"{row['format']:15} {row['tokens']:>8} {row['variant']:13} {row['ms']:9.2f} ms  {row['bytes'] / 2**20:8.1f} MiB  "
               f"floor {row['floor_ms']:7.2f} ms ({row['x_floor']:.1f}x)", flush=True)  # fmt: skip
-        save_json(args.out, stamp(threads=args.threads, copy_gbs=round(gbs, 2), rows=rows))
+        save_json(args.out, stamp(threads=args.threads, copy_gbs=round(gbs, 2), shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D), rows=rows))
 
     for n in [int(x) for x in args.lengths.split(",")]:
         timed: dict[tuple[str, str], tuple] = {}  # (format, variant) -> (fn, bytes read): timed together below

@@ -19,7 +19,9 @@ import torch
 
 def preset_config(name: str):
     """A preset by name, or "<preset>/<scores>": the preset with every layer's keys scored as
-    `scores` ("float", "int8", "int16"; `QuantSpec.scores`), to time or judge one scoring against another."""
+    `scores` ("float", "int8", "int16"; `QuantSpec.scores`), to time or judge one scoring against another;
+    or "<preset>/nf": its calibrated levels ("nuq") replaced by NormalFloat ones, the same kernel
+    path with no calibration (to time a layout on a model nothing was calibrated for)."""
     import dataclasses
 
     from kvq_ao import KVQuantConfig
@@ -28,6 +30,12 @@ def preset_config(name: str):
     cfg = KVQuantConfig.preset(preset)
     if not scores:
         return cfg
+    if scores == "nf":
+        nf = lambda s: dataclasses.replace(s, dtype="nf") if s.dtype == "nuq" else s  # noqa: E731
+        layer = lambda kv: dataclasses.replace(kv, key=nf(kv.key), value=nf(kv.value))  # noqa: E731
+        spans = tuple(dataclasses.replace(span, layer=layer(span.layer)) for span in cfg.depth_spans)
+        return dataclasses.replace(cfg, default=layer(cfg.default), layers=tuple(map(layer, cfg.layers)), depth_spans=spans,
+                                   calibration=None, name=name)  # fmt: skip
     layer = lambda kv: dataclasses.replace(kv, key=dataclasses.replace(kv.key, scores=scores))  # noqa: E731
     return dataclasses.replace(cfg, default=layer(cfg.default), layers=tuple(map(layer, cfg.layers)), name=name)
 

@@ -390,6 +390,10 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
     "vector-keys-k2-many-tiles": dict(hkv=1, batch=1, blocks=74, k_fmt=(2, AXIS_TOKEN, 64, False, 0), v_fmt=(2, AXIS_TOKEN, 64, False, 0)),
     "vector-keys-k3-outliers-bf16": dict(k_fmt=(3, AXIS_TOKEN, 64, True, 1), dtype=torch.bfloat16, window=40),
     "vector-keys-k8-gqa5-d128": dict(k_fmt=(8, AXIS_TOKEN, 128, False, 1), ratio=5, hkv=1, d=128, blocks=6),
+    # two groups a vector (the rotated presets at head_dim 128): dequantized into a tile and scored there
+    "vector-keys-two-groups-d128": dict(k_fmt=(4, AXIS_TOKEN, 64, True, 2), ratio=3, hkv=2, d=128, blocks=9, head_mask=True),
+    "vector-keys-two-groups-k2-meta8": dict(k_fmt=(2, AXIS_TOKEN, 32, False, 0, 0, True), v_fmt=(2, AXIS_TOKEN, 32, False, 0, 0, True),
+                                            blocks=9),
     "meta8-float16-d128": dict(ratio=1, d=128, k_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True), v_fmt=(4, AXIS_TOKEN, 128, False, 0, 0, True),
                                dtype=torch.float16),
 }

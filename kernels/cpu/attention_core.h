@@ -991,9 +991,16 @@ struct Operand {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     int j = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if constexpr (BITS == 4 || BITS == 2)
-      if (dim == 64)
-        for (; j < count; j += 16) vnni_scores64<BITS, TWO>(tmp, n_heads, src + j * row_bytes, std::min(16, count - j), scores + j);
+    if constexpr (BITS == 4 || BITS == 2) {
+      const int64_t packed = int64_t{dim} * BITS / 8;  // the row's bytes, planar (no padding)
+      auto blocks = [&](auto rb_c) {
+        constexpr int RB = decltype(rb_c)::value;
+        for (; j < count; j += 16) vnni_scores<BITS, TWO, RB>(tmp, n_heads, src + j * row_bytes, std::min(16, count - j), scores + j);
+      };
+      if (row_bytes == packed && packed == 16) blocks(std::integral_constant<int, 16>{});
+      else if (row_bytes == packed && packed == 32) blocks(std::integral_constant<int, 32>{});
+      else if (row_bytes == packed && packed == 64) blocks(std::integral_constant<int, 64>{});
+    }
 #elif defined(__AVX2__)
     if constexpr (BITS == 4 || BITS == 2)
       if (dim == 64) {
@@ -1104,17 +1111,20 @@ struct Operand {
     return _mm512_add_epi32(_mm512_permutex2var_epi32(x, ix.lo, y), _mm512_permutex2var_epi32(x, ix.hi, y));
   }
 
-  // 16 rows of head_dim-64 codes from `rows`: vpdpbusd multiplies 64 unsigned codes by 64 int8 query
-  // entries into 16 int32 lanes. 4 bits: a 64-byte load is two rows, their low nibbles channels
-  // 0-31 and high nibbles 32-63; 2 bits: four rows, plane i channels 16i to 16i + 15. Permute-and-add
-  // levels then reduce the rows' lanes to one register of 16 scores.
+  // 16 rows of RB bytes of 2- or 4-bit codes (head_dim 64 or 128; 2 bits also 256) from `rows`:
+  // vpdpbusd multiplies 64 unsigned codes by 64 int8 query entries into 16 int32 lanes. A 64-byte
+  // load is 64 / RB rows; plane i of a row (its bytes shifted by i * BITS) holds channels RB i to
+  // RB i + RB - 1, so it meets those query entries, repeated for every row of the load (4 bits at
+  // head_dim 64: two rows, low nibbles channels 0-31 and high 32-63; at 128 one row, 0-63 and 64-127).
+  // Permute-and-add levels then reduce each row's 16 / (64 / RB) lanes to one register of 16 scores.
   // n < 16 rows: the bytes past them are not read (masked loads) and their scores not written.
   // TWO: an int16 query's digits, each through the same vpdpbusd, combined in int32 as hi * 256 + lo
   // before the reduction.
-  template <int BITS, bool TWO>
-  void vnni_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, int n, float* scores) const {
-    constexpr int kRowsPerLoad = BITS == 4 ? 2 : 4, kLoads = 16 / kRowsPerLoad, kPlanes = 8 / BITS;
-    static const PairIndices w8(8), w4(4), w2(2);
+  template <int BITS, bool TWO, int RB>
+  void vnni_scores(const Scratch& tmp, int n_heads, const uint8_t* rows, int n, float* scores) const {
+    static_assert(RB == 16 || RB == 32 || RB == 64, "rows of 16, 32 or 64 bytes");
+    constexpr int kRowsPerLoad = 64 / RB, kLoads = 16 / kRowsPerLoad, kPlanes = 8 / BITS;
+    static const PairIndices w16(16), w8(8), w4(4), w2(2);
     const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1));
     for (int r = 0; r < n; ++r) prefetch_ahead(rows, r);
     const int64_t bytes = int64_t{n} * row_bytes;
@@ -1127,7 +1137,8 @@ struct Operand {
     }
     auto query = [&](const int8_t* q8, __m512i (&q)[kPlanes]) {  // the query channels each plane meets, repeated for every row of a load
       for (int i = 0; i < kPlanes; ++i) {
-        if constexpr (BITS == 4) q[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i)));
+        if constexpr (RB == 64) q[i] = _mm512_loadu_si512(q8 + 64 * i);
+        else if constexpr (RB == 32) q[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i)));
         else q[i] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + 16 * i)));
       }
     };
@@ -1145,17 +1156,12 @@ struct Operand {
           acc[l] = _mm512_add_epi32(_mm512_slli_epi32(acc[l], 8), lo);
         }
       }
-      __m512i sums;
-      if constexpr (BITS == 4) {  // 8 registers of 2 rows x 8 lanes
-        __m512i l1[4], l2[2];
-        for (int p = 0; p < 4; ++p) l1[p] = reduce_pair(acc[2 * p], acc[2 * p + 1], w8);
-        for (int p = 0; p < 2; ++p) l2[p] = reduce_pair(l1[2 * p], l1[2 * p + 1], w4);
-        sums = reduce_pair(l2[0], l2[1], w2);
-      } else {  // 4 registers of 4 rows x 4 lanes
-        __m512i l2[2];
-        for (int p = 0; p < 2; ++p) l2[p] = reduce_pair(acc[2 * p], acc[2 * p + 1], w4);
-        sums = reduce_pair(l2[0], l2[1], w2);
+      // `live` registers of 16 / live rows x live lanes a row: each level pairs them, halving both
+      for (int live = kLoads; live > 1; live /= 2) {
+        const PairIndices& ix = live == 16 ? w16 : live == 8 ? w8 : live == 4 ? w4 : w2;
+        for (int p = 0; p < live / 2; ++p) acc[p] = reduce_pair(acc[2 * p], acc[2 * p + 1], ix);
       }
+      const __m512i sums = acc[0];
       _mm512_mask_storeu_ps(scores + h * kTile, static_cast<__mmask16>((1u << n) - 1),
                             _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(tmp.alpha[h])));
     }
