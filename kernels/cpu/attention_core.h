@@ -1002,20 +1002,26 @@ struct Operand {
       else if (row_bytes == packed && packed == 64) blocks(std::integral_constant<int, 64>{});
     }
 #elif defined(__AVX2__)
-    if constexpr (BITS == 4 || BITS == 2)
-      if (dim == 64) {
-        for (; j + 8 <= count; j += 8) avx2_scores64<BITS, TWO>(tmp, n_heads, src + j * row_bytes, scores + j, kTile);
+    if constexpr (BITS == 4 || BITS == 2) {
+      const int64_t packed = int64_t{dim} * BITS / 8;  // the row's bytes, planar (no padding)
+      auto blocks = [&](auto rb_c) {
+        constexpr int RB = decltype(rb_c)::value;
+        for (; j + 8 <= count; j += 8) avx2_scores<BITS, TWO, RB>(tmp, n_heads, src + j * row_bytes, scores + j, kTile);
         if (j < count) {  // the last rows, zero-padded to a block of 8
-          alignas(32) uint8_t rows[8 * 32] = {};
+          alignas(32) uint8_t rows[8 * RB] = {};
           alignas(32) float part[kMaxGroupHeads * 8];
           const int n = count - j;
           std::memcpy(rows, src + j * row_bytes, n * row_bytes);
-          avx2_scores64<BITS, TWO>(tmp, n_heads, rows, part, 8);
+          avx2_scores<BITS, TWO, RB>(tmp, n_heads, rows, part, 8);
           for (int h = 0; h < n_heads; ++h)
             for (int r = 0; r < n; ++r) scores[h * kTile + j + r] = part[h * 8 + r];
           j = count;
         }
-      }
+      };
+      if (row_bytes == packed && packed == 16) blocks(std::integral_constant<int, 16>{});
+      else if (row_bytes == packed && packed == 32) blocks(std::integral_constant<int, 32>{});
+      else if (row_bytes == packed && packed == 64) blocks(std::integral_constant<int, 64>{});
+    }
 #endif
     // codes below 2^7 as signed bytes: a signed 8 x 8-bit dot product (Arm's sdot; x86 widens to pmaddwd)
     typedef std::conditional_t<BITS == 8, uint8_t, int8_t> Code;
@@ -1040,15 +1046,20 @@ struct Operand {
   }
 
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-  // 8 rows of head_dim-64 codes from `rows` (scores h at out + h * stride): vpmaddubsw multiplies
-  // unsigned codes by int8 query entries and adds pairs into int16 (at most 2 x 15 x 127 a pair, 4
-  // such sums a lane: no saturation), vpmaddwd widens to int32. 4 bits: one row a register, low
-  // nibbles channels 0-31, high 32-63; 2 bits: two rows a register, plane i channels 16i to 16i + 15.
+  // 8 rows of RB bytes of 2- or 4-bit codes from `rows` (scores h at out + h * stride), as
+  // vnni_scores lays them out: vpmaddubsw multiplies unsigned codes by int8 query entries and adds
+  // pairs into int16 (at most 2 x 15 x 127 a pair, 4 such sums a lane: no saturation), vpmaddwd
+  // widens to int32. A 32-byte load is two 16-byte rows (2 bits at head_dim 64: plane i channels 16i
+  // to 16i + 15), one 32-byte row (4 bits at 64: low nibbles channels 0-31, high 32-63), or half of
+  // a 64-byte row (4 bits at 128), whose halves' sums are added before the sums across lanes.
   // TWO: an int16 query's digits, each through the same products (a lo digit in [-128, 127] keeps
   // the pair sums below 2^15), combined in int32 as hi * 256 + lo before the sums across lanes.
-  template <int BITS, bool TWO>
-  void avx2_scores64(const Scratch& tmp, int n_heads, const uint8_t* rows, float* out, int stride) const {
-    constexpr int kRowsPerLoad = BITS == 4 ? 1 : 2, kLoads = 8 / kRowsPerLoad, kPlanes = 8 / BITS;
+  template <int BITS, bool TWO, int RB>
+  void avx2_scores(const Scratch& tmp, int n_heads, const uint8_t* rows, float* out, int stride) const {
+    static_assert(RB == 16 || RB == 32 || RB == 64, "rows of 16, 32 or 64 bytes");
+    // a 32-byte load is two 16-byte rows, one 32-byte row, or half a 64-byte one
+    constexpr int kRowsPerLoad = RB == 16 ? 2 : 1, kHalves = RB == 64 ? 2 : 1, kRegs = 8 / kRowsPerLoad;
+    constexpr int kLoads = kRegs * kHalves, kPlanes = 8 / BITS;
     const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
     for (int r = 0; r < 8; ++r) prefetch_ahead(rows, r);
     __m256i plane[kLoads][kPlanes];
@@ -1056,28 +1067,35 @@ struct Operand {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + l * 32));
       for (int i = 0; i < kPlanes; ++i) plane[l][i] = _mm256_and_si256(_mm256_srli_epi16(x, i * BITS), mask);
     }
-    auto query = [&](const int8_t* q8, __m256i (&q)[kPlanes]) {
-      for (int i = 0; i < kPlanes; ++i) {
-        if constexpr (BITS == 4) q[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i));
-        else q[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + 16 * i)));
-      }
+    // the query channels plane i of load half k meets: RB i + 32 k onwards (16-byte rows: repeated twice)
+    auto query = [&](const int8_t* q8, __m256i (&q)[kHalves][kPlanes]) {
+      for (int k = 0; k < kHalves; ++k)
+        for (int i = 0; i < kPlanes; ++i) {
+          if constexpr (RB == 16) q[k][i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + 16 * i)));
+          else q[k][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + RB * i + 32 * k));
+        }
     };
-    auto dots = [&](int l, const __m256i (&q)[kPlanes]) {
-      __m256i p = _mm256_maddubs_epi16(plane[l][0], q[0]);
-      for (int i = 1; i < kPlanes; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(plane[l][i], q[i]));
-      return _mm256_madd_epi16(p, ones);
+    auto dots = [&](int reg, const __m256i (&q)[kHalves][kPlanes]) {  // int32 lanes of register `reg`'s rows, halves summed
+      __m256i sum = _mm256_setzero_si256();
+      for (int k = 0; k < kHalves; ++k) {
+        const int l = reg * kHalves + k;
+        __m256i p = _mm256_maddubs_epi16(plane[l][0], q[k][0]);
+        for (int i = 1; i < kPlanes; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(plane[l][i], q[k][i]));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+      }
+      return sum;
     };
     for (int h = 0; h < n_heads; ++h) {
-      __m256i q[kPlanes], q_lo[kPlanes];
+      __m256i q[kHalves][kPlanes], q_lo[kHalves][kPlanes];
       query(tmp.q8 + h * dim, q);
       if constexpr (TWO) query(tmp.q8_lo + h * dim, q_lo);
-      __m256i acc[kLoads];
-      for (int l = 0; l < kLoads; ++l) {
-        acc[l] = dots(l, q);
-        if constexpr (TWO) acc[l] = _mm256_add_epi32(_mm256_slli_epi32(acc[l], 8), dots(l, q_lo));
+      __m256i acc[kRegs];
+      for (int r = 0; r < kRegs; ++r) {
+        acc[r] = dots(r, q);
+        if constexpr (TWO) acc[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r], 8), dots(r, q_lo));
       }
       __m256i sums;
-      if constexpr (BITS == 4) {  // 8 registers of one row x 8 lanes: the float hsum8x8's transposing sums
+      if constexpr (kRowsPerLoad == 1) {  // 8 registers of one row x 8 lanes: the float hsum8x8's transposing sums
         const __m256i a01 = _mm256_hadd_epi32(acc[0], acc[1]), a23 = _mm256_hadd_epi32(acc[2], acc[3]);
         const __m256i a45 = _mm256_hadd_epi32(acc[4], acc[5]), a67 = _mm256_hadd_epi32(acc[6], acc[7]);
         const __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67);

@@ -121,14 +121,14 @@ def test_a_planted_error_in_the_vector_code_fails_the_cases(built, name, tmp_pat
 def test_a_planted_error_in_the_int8_dot_product_fails_the_integer_query_cases(built, name, tmp_path):
     """The portable int8 dot products (what these builds score integer-query keys with; sdot on Arm at
     -O3) pairing each code with its neighbour's query digit, and in the AVX2 build also its 8-row
-    blocks (2- and 4-bit codes at head_dim 64) summing each pair twice, must fail every int8- and
-    int16-query case."""
+    blocks (2- and 4-bit rows of 16, 32 or 64 bytes) summing each pair twice, must fail every int8-
+    and int16-query case."""
     target, _, _ = built(name)
     source = (portable.HERE / "attention_core.h").read_text()
     plants = {"acc += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(q8[d]);": ("q8[d]", "q8[d ^ 1]"),
               "acc_lo += static_cast<int32_t>(codes[d]) * static_cast<int32_t>(lo[d]);": ("lo[d]", "lo[d ^ 1]")}
     if name == "avx2":
-        plants["return _mm256_madd_epi16(p, ones);"] = ("ones", "_mm256_set1_epi16(2)")
+        plants["sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));"] = ("ones", "_mm256_set1_epi16(2)")
     for right, (a, b) in plants.items():
         assert source.count(right) == 1
         source = source.replace(right, right.replace(a, b))
