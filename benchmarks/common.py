@@ -33,11 +33,11 @@ def preset_config(name: str):
     if scores == "nf":
         nf = lambda s: dataclasses.replace(s, dtype="nf") if s.dtype == "nuq" else s  # noqa: E731
         layer = lambda kv: dataclasses.replace(kv, key=nf(kv.key), value=nf(kv.value))  # noqa: E731
-        spans = tuple(dataclasses.replace(span, layer=layer(span.layer)) for span in cfg.depth_spans)
-        return dataclasses.replace(cfg, default=layer(cfg.default), layers=tuple(map(layer, cfg.layers)), depth_spans=spans,
-                                   calibration=None, name=name)  # fmt: skip
-    layer = lambda kv: dataclasses.replace(kv, key=dataclasses.replace(kv.key, scores=scores))  # noqa: E731
-    return dataclasses.replace(cfg, default=layer(cfg.default), layers=tuple(map(layer, cfg.layers)), name=name)
+        cfg = dataclasses.replace(cfg, calibration=None)
+    else:
+        layer = lambda kv: dataclasses.replace(kv, key=dataclasses.replace(kv.key, scores=scores))  # noqa: E731
+    spans = tuple(dataclasses.replace(span, layer=layer(span.layer)) for span in cfg.depth_spans)
+    return dataclasses.replace(cfg, default=layer(cfg.default), layers=tuple(map(layer, cfg.layers)), depth_spans=spans, name=name)
 
 
 def smollm2(threads: int):

@@ -981,6 +981,17 @@ struct Operand {
     }
   }
 
+  // Calls f(RB) with RB, the packed row's bytes, as a compile-time constant where the integer-query
+  // blocks take it: planar rows without padding of 16, 32 or 64 bytes. Otherwise f is not called.
+  template <int BITS, typename F>
+  void with_row_bytes(F&& f) const {
+    const int64_t packed = int64_t{dim} * BITS / 8;
+    if (row_bytes != packed) return;
+    if (packed == 16) f(std::integral_constant<int, 16>{});
+    else if (packed == 32) f(std::integral_constant<int, 32>{});
+    else if (packed == 64) f(std::integral_constant<int, 64>{});
+  }
+
   // scores[h * kTile + j] = alpha[h] * (q[h] . codes of token `first + j`), j < count, h < n_heads:
   // the int32 dot products of the integer query with the codes (exact), scaled once; TWO: an int16
   // query's two digits, (hi . codes) * 256 + lo . codes. AVX-512 VNNI takes up to 16 rows of 2- and
@@ -991,20 +1002,14 @@ struct Operand {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
     int j = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if constexpr (BITS == 4 || BITS == 2) {
-      const int64_t packed = int64_t{dim} * BITS / 8;  // the row's bytes, planar (no padding)
-      auto blocks = [&](auto rb_c) {
+    if constexpr (BITS == 4 || BITS == 2)
+      with_row_bytes<BITS>([&](auto rb_c) {
         constexpr int RB = decltype(rb_c)::value;
         for (; j < count; j += 16) vnni_scores<BITS, TWO, RB>(tmp, n_heads, src + j * row_bytes, std::min(16, count - j), scores + j);
-      };
-      if (row_bytes == packed && packed == 16) blocks(std::integral_constant<int, 16>{});
-      else if (row_bytes == packed && packed == 32) blocks(std::integral_constant<int, 32>{});
-      else if (row_bytes == packed && packed == 64) blocks(std::integral_constant<int, 64>{});
-    }
+      });
 #elif defined(__AVX2__)
-    if constexpr (BITS == 4 || BITS == 2) {
-      const int64_t packed = int64_t{dim} * BITS / 8;  // the row's bytes, planar (no padding)
-      auto blocks = [&](auto rb_c) {
+    if constexpr (BITS == 4 || BITS == 2)
+      with_row_bytes<BITS>([&](auto rb_c) {
         constexpr int RB = decltype(rb_c)::value;
         for (; j + 8 <= count; j += 8) avx2_scores<BITS, TWO, RB>(tmp, n_heads, src + j * row_bytes, scores + j, kTile);
         if (j < count) {  // the last rows, zero-padded to a block of 8
@@ -1017,11 +1022,7 @@ struct Operand {
             for (int r = 0; r < n; ++r) scores[h * kTile + j + r] = part[h * 8 + r];
           j = count;
         }
-      };
-      if (row_bytes == packed && packed == 16) blocks(std::integral_constant<int, 16>{});
-      else if (row_bytes == packed && packed == 32) blocks(std::integral_constant<int, 32>{});
-      else if (row_bytes == packed && packed == 64) blocks(std::integral_constant<int, 64>{});
-    }
+      });
 #endif
     // codes below 2^7 as signed bytes: a signed 8 x 8-bit dot product (Arm's sdot; x86 widens to pmaddwd)
     typedef std::conditional_t<BITS == 8, uint8_t, int8_t> Code;
@@ -1188,6 +1189,24 @@ struct Operand {
 
   // scores[h * kTile + j] = qs[h] . levels of token `first + j`, j < count, h < NH (qs rows `dim`
   // apart): each row's codes unpacked in registers and consumed there, no level tile written.
+  // fused_scores for query heads [0, n_heads) (qs rows `dim` apart, scores rows kTile apart), in
+  // passes of up to 4 heads (2 x 4 accumulators), at this operand's width and level kind.
+  void fused_scores_of_heads(const float* qs, int n_heads, int64_t first, int count, float* scores) const {
+    with_format([&](auto bits_c, auto cb_c) {
+      constexpr int B = decltype(bits_c)::value;
+      constexpr bool CB = decltype(cb_c)::value;
+      for (int h = 0; h < n_heads;) {
+        const float* qh = qs + h * dim;
+        float* sh = scores + h * kTile;
+        const int left = n_heads - h;
+        if (left >= 4) fused_scores<B, CB, 4>(qh, first, count, sh), h += 4;
+        else if (left >= 3) fused_scores<B, CB, 3>(qh, first, count, sh), h += 3;
+        else if (left >= 2) fused_scores<B, CB, 2>(qh, first, count, sh), h += 2;
+        else fused_scores<B, CB, 1>(qh, first, count, sh), h += 1;
+      }
+    });
+  }
+
   template <int BITS, bool CB, int NH>
   void fused_scores(const float* qs, int64_t first, int count, float* scores) const {
     if (wide_scores<BITS>()) fused_scores_n<BITS, CB, NH, kWide>(qs, first, count, scores);
@@ -1942,20 +1961,7 @@ void Operand::direct_key_scores(const float* q, int n_heads, int64_t bh, int64_t
         else int_scores<B, false>(tmp, n_heads, bh * T + t0 + i, end - i, scores + i);
       });
     } else if (fused) {
-      with_format([&](auto bits_c, auto cb_c) {
-        constexpr int B = decltype(bits_c)::value, kMax = 4;  // 2 x 4 accumulators
-        constexpr bool CB = decltype(cb_c)::value;
-        for (int h = 0; h < n_heads;) {  // passes of up to kMax heads
-          const float* qs = tmp.qs + h * dim;
-          float* sh = scores + h * kTile + i;
-          const int64_t first = bh * T + t0 + i;
-          const int left = n_heads - h;
-          if (left >= 4) fused_scores<B, CB, 4>(qs, first, end - i, sh), h += 4;
-          else if (left >= 3) fused_scores<B, CB, 3>(qs, first, end - i, sh), h += 3;
-          else if (left >= 2) fused_scores<B, CB, 2>(qs, first, end - i, sh), h += 2;
-          else fused_scores<B, CB, 1>(qs, first, end - i, sh), h += 1;
-        }
-      });
+      fused_scores_of_heads(tmp.qs, n_heads, bh * T + t0 + i, end - i, scores + i);
     } else {
       score_rows(tmp.qs, n_heads, dim, end - i, lv + i * kRow, scores + i);
     }
@@ -1979,19 +1985,7 @@ void Operand::vector_key_scores(const float* q, int n_heads, int64_t bh, int64_t
                                 Scratch& tmp) const {
   token_meta(bh, T, t0, count, tmp);
   const int64_t first = bh * T + t0;
-  with_format([&](auto bits_c, auto cb_c) {
-    constexpr int B = decltype(bits_c)::value;
-    constexpr bool CB = decltype(cb_c)::value;
-    for (int h = 0; h < n_heads;) {  // passes of up to 4 heads
-      const float* qh = q + h * dim;
-      float* sh = scores + h * kTile;
-      const int left = n_heads - h;
-      if (left >= 4) fused_scores<B, CB, 4>(qh, first, count, sh), h += 4;
-      else if (left >= 3) fused_scores<B, CB, 3>(qh, first, count, sh), h += 3;
-      else if (left >= 2) fused_scores<B, CB, 2>(qh, first, count, sh), h += 2;
-      else fused_scores<B, CB, 1>(qh, first, count, sh), h += 1;
-    }
-  });
+  fused_scores_of_heads(q, n_heads, first, count, scores);
   struct Ones {
     alignas(64) float v[kMaxHeadDim] = {};
     constexpr Ones() {
