@@ -340,6 +340,17 @@ DECODE_CASES = {  # id -> native_case keywords: every format, then shapes, masks
     **{f"pre-rope-k{b}-{'codebook' if cb else 'uniform'}-outliers": dict(  # scale rows change mid-tile, a tile cut short
         k_fmt=(b, AXIS_CHANNEL, 16, cb, 2 if cb else 3), v_fmt=(b, AXIS_TOKEN, 8, cb, 1), pre_rope=True, blocks=9,
         body_end=16 * 9 - 5, head_mask=True, d=128 if b == 8 else 64) for b in (2, 3, 4, 8) for cb in (False, True)},
+    # 2- and 3-bit pre-RoPE keys scored with a lane a token (AVX-512 VBMI): uniform levels, scale rows
+    # every 8 tokens (blocks cut short), passes of 4 + 1 heads; no outlier slots over many tiles; two
+    # slots, one head; 2-bit codebooks with one slot (kvquant-2-1pct's keys)
+    "pre-rope-k3-lanes-uniform-g8-gqa5": dict(k_fmt=(3, AXIS_CHANNEL, 8, False, 1), v_fmt=(3, AXIS_TOKEN, 16, False, 0), pre_rope=True,
+                                              ratio=5, hkv=1, blocks=9, body_end=16 * 9 - 5, head_mask=True),
+    "pre-rope-k3-lanes-no-slots-many-tiles": dict(k_fmt=(3, AXIS_CHANNEL, 32, True, 0), pre_rope=True, ratio=2, blocks=20, window=150),
+    "pre-rope-k3-lanes-two-slots-gqa1": dict(k_fmt=(3, AXIS_CHANNEL, 16, False, 2), pre_rope=True, ratio=1, blocks=7, left_pad=9),
+    "pre-rope-k2-lanes-codebook-calibrated-rows": dict(k_fmt=(2, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(2, AXIS_TOKEN, 64, True, 0),
+                                                       pre_rope=True, blocks=9, head_mask=True),
+    "pre-rope-k2-lanes-uniform-g8-gqa5-many-tiles": dict(k_fmt=(2, AXIS_CHANNEL, 8, False, 2), pre_rope=True, ratio=5, hkv=1,
+                                                         blocks=20, body_end=16 * 20 - 7, window=200),
     "values-one-group-a-vector": dict(k_fmt=(3, AXIS_CHANNEL, FIXED, True, 1), v_fmt=(3, AXIS_TOKEN, 64, True, 0), pre_rope=True,
                                       blocks=9),  # kvquant-3-1pct's formats: value scales folded into P
     "values-one-group-a-vector-uniform-fp16": dict(k_fmt=K4, v_fmt=(2, AXIS_TOKEN, 64, False, 0), dtype=torch.float16),

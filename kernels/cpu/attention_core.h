@@ -584,6 +584,13 @@ struct Scratch {
   alignas(64) int8_t q8[kMaxGroupHeads * kMaxHeadDim];
   alignas(64) int8_t q8_lo[kMaxGroupHeads * kMaxHeadDim];
   float alpha[kMaxGroupHeads];
+  // rope_lane_scores' per-channel level tables (head_dim 64): entry 16 c + l = scale[c] *
+  // level[l mod 2^bits] + zero[c], one fused multiply-add as the rows take it, for scale row
+  // table_row[r % kLaneTables] in slot r % kLaneTables. Pre-RoPE tiles go tile-major over the kv
+  // heads, so with one calibrated row a head (kvquant) the slots keep each head's table over the call.
+  static constexpr int kLaneTables = 4;
+  alignas(64) float lane_table[kLaneTables][64 * 16];
+  int64_t table_row[kLaneTables] = {-1, -1, -1, -1};
 };
 
 // Everything a task needs besides the shared partial results: allocated once per thread and kept
@@ -646,6 +653,8 @@ struct Operand {
   bool vector_keys() const { return !is_float && !per_channel && group == dim && !int_query && fusable(); }
   void rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const float* cos_t, const float* sin_t, float* out,
                  Scratch& tmp) const;
+  void rope_lane_tile(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, const float* cos_l,
+                      const float* sin_l, float* scores, Scratch& tmp) const;
   void direct_accumulate(float* acc, float correction, const float* probs, int count, const float* lv, const Scratch& tmp,
                          int64_t bh, int64_t T, int64_t t0) const;
   void token_weights(const float* probs, int count, const Scratch& tmp, float* w, float* zsum, int group_stride = kTile) const;
@@ -1248,17 +1257,6 @@ struct Operand {
   // Each lane sums its channels in plane order (a float rounding apart from the channel-lane sums).
   template <bool CB, int NH>
   void token_lane_scores(const float* qs, const uint8_t* rows, float* scores) const {
-    struct Columns {  // per group k of 4 byte columns: output byte 16 m + t <- row t's byte 4 k + m
-      alignas(64) uint8_t idx[4][64] = {};
-      constexpr Columns() {
-        for (int k = 0; k < 4; ++k)
-          for (int m = 0; m < 4; ++m)
-            for (int t = 0; t < 16; ++t) idx[k][16 * m + t] = static_cast<uint8_t>((t % 8 < 4 ? 0 : 64) + 16 * (t % 4) + 4 * k + m);
-      }
-    };
-    static constexpr Columns columns{};  // built at compile time: no guard on the hot path
-    const __m512i r0 = _mm512_loadu_si512(rows), r1 = _mm512_loadu_si512(rows + 64);
-    const __m512i r2 = _mm512_loadu_si512(rows + 128), r3 = _mm512_loadu_si512(rows + 192);
     __m512 acc[NH][4];  // one sum per head and plane, so no FMA waits on the last
     for (int h = 0; h < NH; ++h)
       for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
@@ -1270,10 +1268,10 @@ struct Operand {
         for (int h = 0; h < NH; ++h) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * dim + 16 * i + j]), level, acc[h][i]);
       }
     };
+    __m512i r[4];
+    lane_rows2(rows, 16, r);
     for (int k = 0; k < 4; ++k) {
-      const __m512i idx = _mm512_load_si512(columns.idx[k]);
-      const __m512i cols = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, _mm512_permutex2var_epi8(r0, idx, r1),
-                                                  _mm512_permutex2var_epi8(r2, idx, r3));  // tokens 0-7 | 8-15
+      const __m512i cols = lane_columns2(r, k);
       column(cols, std::integral_constant<int, 0>{}, 4 * k);
       column(cols, std::integral_constant<int, 1>{}, 4 * k + 1);
       column(cols, std::integral_constant<int, 2>{}, 4 * k + 2);
@@ -1363,6 +1361,183 @@ struct Operand {
         }
       }
     }
+  }
+
+#if defined(__AVX512VBMI__)
+  // Pre-RoPE 2- or 3-bit keys of head_dim 64 in per-channel groups, scored with a lane a token:
+  // scores[h * kTile + t] = qs[h] . rotate_t(scale * level_t + zero, token t's NS exact outliers in
+  // place) for t < n <= 16, h < NH (qs rows `dim` apart). Channel c and its RoPE partner c + 32 lie
+  // in one code word: 3-bit rows are 24 bytes, word j (bytes j, 8 + j, 16 + j) holding channel
+  // 8p + j in bits 3p..3p + 2, so the pair is planes p and p + 4; 2-bit rows are 16 bytes, byte j
+  // holding channel 16p + j in bits 2p..2p + 1, so planes p and p + 2. The 16 rows are transposed
+  // into registers of one word for 16 tokens (lane_words3, lane_columns2); each channel pair is then
+  // unpacked and scaled (one permute of the channel's table of scaled levels, Scratch::lane_table),
+  // patched and rotated for 16 tokens at once, and consumed by one broadcast FMA per head and
+  // channel: no float row stored and read back, no lanes summed across (rope_rows and score_rows
+  // took over half of kvquant-3-1pct's time). Each lane sums its channels in another order than
+  // score_rows (a float rounding apart). cos/sin with a lane a token (AngleRuns::fill_lanes), pair
+  // i's row at i * kTile from this block's first token; `tables` the scale row's level tables;
+  // `idx`/`exact` the block's outlier slots (NS a token); lanes >= n are read masked, computed and
+  // not stored.
+  template <int BITS, bool CB, int NS, int NH>
+  void rope_lane_scores(const float* qs, const uint8_t* rows, int n, const uint8_t* idx, const float* exact,
+                        const float* cos_l, const float* sin_l, const float* tables, float* scores) const {
+    static_assert(BITS == 2 || BITS == 3, "rope_lane_scores reads 2- and 3-bit rows of head_dim 64");
+    const __mmask16 live = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    __m512i at[NS + 1];  // outlier channels (>= dim: an empty slot) and exact values, a lane a token
+    __m512 value[NS + 1];
+    if constexpr (NS == 1) {
+      at[0] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, idx));
+      value[0] = _mm512_maskz_loadu_ps(live, exact);
+    } else if constexpr (NS == 2) {
+      const __m512i both = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(n >= 16 ? 0xFFFFFFFFu : (1u << 2 * n) - 1, idx));
+      at[0] = _mm512_and_si512(both, _mm512_set1_epi32(0xFFFF)), at[1] = _mm512_srli_epi32(both, 16);
+      const int lo_n = std::min(2 * n, 16), hi_n = std::max(2 * n - 16, 0);
+      const __m512 e0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << lo_n) - 1), exact);
+      const __m512 e1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << hi_n) - 1), exact + 16);
+      const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      value[0] = _mm512_permutex2var_ps(e0, even, e1);
+      value[1] = _mm512_permutex2var_ps(e0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), e1);
+    }
+    struct Channels {
+      int32_t c[64] = {};
+      constexpr Channels() {
+        for (int ch = 0; ch < 64; ++ch) c[ch] = ch;
+      }
+    };
+    static constexpr Channels channels{};
+    // The channel numbers the outlier slots are compared with, through a pointer the compiler cannot
+    // see into: each compare then broadcasts its number from memory (a load), where GCC otherwise
+    // moves the constant into a register and broadcasts it from there (a vector op of its own).
+    const int32_t* channel = channels.c;
+    __asm__("" : "+r"(channel));
+    __m512 acc[NH][2];  // per head, the first and second channel of each pair: two FMA chains
+    for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+    // channels c1 < 32 and c1 + 32, at bits `s1` and `s2` of each lane of `word`
+    auto pair = [&](__m512i word, int s1, int s2, int c1) {
+      const int c2 = c1 + 32;
+      // vpermps reads an index's low 4 bits: the tables repeat the levels, so the next code's bits
+      // need no mask. An exact outlier replaces its channel's dense value: the first slot's value is
+      // where the permute writes nothing (one compare a channel), a second slot's blended after.
+      const __m512i i1 = _mm512_srli_epi32(word, s1), i2 = _mm512_srli_epi32(word, s2);
+      const __m512 t1 = _mm512_load_ps(tables + 16 * c1), t2 = _mm512_load_ps(tables + 16 * c2);
+      __m512 x1, x2;
+      if constexpr (NS == 0) {
+        x1 = _mm512_permutexvar_ps(i1, t1), x2 = _mm512_permutexvar_ps(i2, t2);
+      } else {
+        const __m512i n1 = _mm512_set1_epi32(channel[c1]), n2 = _mm512_set1_epi32(channel[c2]);
+        x1 = _mm512_mask_permutexvar_ps(value[0], _mm512_cmpneq_epi32_mask(at[0], n1), i1, t1);
+        x2 = _mm512_mask_permutexvar_ps(value[0], _mm512_cmpneq_epi32_mask(at[0], n2), i2, t2);
+        for (int o = 1; o < NS; ++o) {
+          x1 = _mm512_mask_mov_ps(x1, _mm512_cmpeq_epi32_mask(at[o], n1), value[o]);
+          x2 = _mm512_mask_mov_ps(x2, _mm512_cmpeq_epi32_mask(at[o], n2), value[o]);
+        }
+      }
+      const __m512 cs = _mm512_loadu_ps(cos_l + c1 * kTile), sn = _mm512_loadu_ps(sin_l + c1 * kTile);
+      const __m512 r1 = _mm512_fmsub_ps(x1, cs, _mm512_mul_ps(x2, sn)), r2 = _mm512_fmadd_ps(x2, cs, _mm512_mul_ps(x1, sn));
+      for (int h = 0; h < NH; ++h) {
+        acc[h][0] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * dim + c1]), r1, acc[h][0]);
+        acc[h][1] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * dim + c2]), r2, acc[h][1]);
+      }
+    };
+    if constexpr (BITS == 3) {
+      __m512i w[8];
+      lane_words3(rows, n, w);
+      // unrolled: channel numbers, shifts and table offsets become constants
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) pair(w[j], 3 * p, 3 * p + 12, 8 * p + j);
+    } else {
+      __m512i r[4];
+      lane_rows2(rows, n, r);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {  // byte columns 4k .. 4k + 3
+        const __m512i cols = lane_columns2(r, k);
+        auto column = [&](auto m_c) {  // byte column 4k + m (the extract takes an immediate)
+          constexpr int m = decltype(m_c)::value;
+          const __m512i word = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(cols, m));
+#pragma GCC unroll 2
+          for (int p = 0; p < 2; ++p) pair(word, 2 * p, 2 * p + 4, 16 * p + 4 * k + m);
+        };
+        column(std::integral_constant<int, 0>{}), column(std::integral_constant<int, 1>{});
+        column(std::integral_constant<int, 2>{}), column(std::integral_constant<int, 3>{});
+      }
+    }
+    for (int h = 0; h < NH; ++h) _mm512_mask_storeu_ps(scores + h * kTile, live, _mm512_add_ps(acc[h][0], acc[h][1]));
+  }
+
+  // w[j] lane t = the 24-bit word j of 3-bit row t (t < n; lanes >= n read nothing): a byte permute
+  // puts rows m and m + 8 into one register as words, then three exchanges of a register bit with a
+  // lane bit (two vpermt2d per register pair) turn register m lane 8u + j into register j lane 8u + m.
+  static void lane_words3(const uint8_t* rows, int n, __m512i* w) {
+    struct Tables {
+      alignas(64) uint8_t spread[64] = {};  // byte 4 (8 u + j) + k <- byte 32 u + 8 k + j
+      alignas(64) int32_t low[3][16] = {}, high[3][16] = {};
+      constexpr Tables() {
+        for (int u = 0; u < 2; ++u)
+          for (int j = 0; j < 8; ++j)
+            for (int k = 0; k < 3; ++k) spread[4 * (8 * u + j) + k] = static_cast<uint8_t>(32 * u + 8 * k + j);
+        for (int L = 0; L < 3; ++L)
+          for (int l = 0; l < 16; ++l) {
+            const int from_high = ((l >> L) & 1) << 4;  // vpermt2d: bit 4 picks the second register
+            low[L][l] = (l & ~(1 << L)) | from_high;
+            high[L][l] = (l | (1 << L)) | from_high;
+          }
+      }
+    };
+    static constexpr Tables tables{};
+    const __m512i spread = _mm512_load_si512(tables.spread);
+    for (int m = 0; m < 8; ++m) {
+      const __m256i a = _mm256_maskz_loadu_epi8(m < n ? 0xFFFFFFu : 0u, rows + 24 * m);
+      const __m256i b = _mm256_maskz_loadu_epi8(m + 8 < n ? 0xFFFFFFu : 0u, rows + 24 * (m + 8));
+      w[m] = _mm512_maskz_permutexvar_epi8(0x7777777777777777ull, spread, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+    for (int L = 0; L < 3; ++L) {
+      const __m512i lo = _mm512_load_si512(tables.low[L]), hi = _mm512_load_si512(tables.high[L]);
+      for (int m = 0; m < 8; ++m)
+        if (!(m >> L & 1)) {
+          const __m512i x = w[m], y = w[m | 1 << L];
+          w[m] = _mm512_permutex2var_epi32(x, lo, y);
+          w[m | 1 << L] = _mm512_permutex2var_epi32(x, hi, y);
+        }
+    }
+  }
+
+  // The 256 bytes of 16 rows of 16 bytes (2-bit codes at head_dim 64) in four registers, rows >= n
+  // read as zeros (nothing past them is touched).
+  static void lane_rows2(const uint8_t* rows, int n, __m512i (&r)[4]) {
+    for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i + 3, those < n
+      const int live = std::clamp(n - 4 * i, 0, 4);
+      r[i] = _mm512_maskz_loadu_epi8(live == 4 ? ~0ull : (1ull << (16 * live)) - 1, rows + 64 * i);
+    }
+  }
+  // Byte columns 4k .. 4k + 3 of those rows (lane_rows2): byte 16 m + t <- row t's byte 4k + m, by
+  // byte permutes (vpermt2b), so that each byte column is one register of 16 tokens.
+  static __m512i lane_columns2(const __m512i (&r)[4], int k) {
+    struct Columns {
+      alignas(64) uint8_t idx[4][64] = {};
+      constexpr Columns() {
+        for (int kk = 0; kk < 4; ++kk)
+          for (int m = 0; m < 4; ++m)
+            for (int t = 0; t < 16; ++t) idx[kk][16 * m + t] = static_cast<uint8_t>((t % 8 < 4 ? 0 : 64) + 16 * (t % 4) + 4 * kk + m);
+      }
+    };
+    static constexpr Columns columns{};  // built at compile time: no guard on the hot path
+    const __m512i idx = _mm512_load_si512(columns.idx[k]);
+    return _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, _mm512_permutex2var_epi8(r[0], idx, r[1]),
+                                  _mm512_permutex2var_epi8(r[2], idx, r[3]));  // tokens 0-7 | 8-15
+  }
+#endif
+
+  // Pre-RoPE keys that rope_lane_tile scores (this build has AVX-512 VBMI): 2- and 3-bit codes at
+  // head_dim 64 on the fused RoPE path.
+  bool rope_lanes() const {
+#if defined(__AVX512VBMI__)
+    return rope_fusable() && (bits == 2 || bits == 3) && dim == 64;
+#else
+    return false;
+#endif
   }
 
   // rope_rows in 16 lanes where the blocks (wide_scores) and, for 8-bit codes, half a row are whole
@@ -1663,16 +1838,20 @@ struct AngleRuns {
   int64_t next = -1;  // the position whose cos/sin(p0 f) `seed_c/seed_s` hold (-1: none)
   std::vector<double> step_c, step_s, seed_c, seed_s;  // cos/sin(kTile f); cos/sin(next f)
   std::vector<float> run_c, run_s;                     // [k][i]: cos/sin(k f_i), k < kTile
+  std::vector<float> lane_c, lane_s;                   // [i][k]: the same, for fill_lanes
+  alignas(32) float c0[kMaxHeadDim / 2], s0[kMaxHeadDim / 2];  // cos/sin(p0 f) of the tile being filled
 
   AngleRuns(const float* freq, int half_dim) : half(half_dim), inv_freq(freq) {
     step_c.resize(half), step_s.resize(half), seed_c.resize(half), seed_s.resize(half);
     run_c.resize(static_cast<size_t>(kTile) * half), run_s.resize(static_cast<size_t>(kTile) * half);
+    lane_c.resize(static_cast<size_t>(kTile) * half), lane_s.resize(static_cast<size_t>(kTile) * half);
     for (int i = 0; i < half; ++i) {
       max_freq = std::max(max_freq, std::fabs(freq[i]));
       const double f = freq[i], c1 = std::cos(f), s1 = std::sin(f);
       double c = 1.0, sn = 0.0;
       for (int k = 0; k < kTile; ++k) {  // k f by rotations in double: exact to ~1e-15 over a tile
-        run_c[k * half + i] = static_cast<float>(c), run_s[k * half + i] = static_cast<float>(sn);
+        run_c[k * half + i] = lane_c[i * kTile + k] = static_cast<float>(c);
+        run_s[k * half + i] = lane_s[i * kTile + k] = static_cast<float>(sn);
         const double c_next = c * c1 - sn * s1;
         sn = sn * c1 + c * s1, c = c_next;
       }
@@ -1680,17 +1859,72 @@ struct AngleRuns {
     }
   }
 
-  // Fills cos/sin [count][half] (times `scale`) for positions p0 .. p0 + count - 1; false when
-  // those angles are too large for the series (the caller uses `angles`).
-  bool fill(int64_t p0, int count, float scale, float* cos_out, float* sin_out) {
+  // Seeds c0/s0 for positions p0 .. p0 + count - 1; false when those angles are too large for the
+  // series (the caller uses `angles`).
+  bool start(int64_t p0, int count) {
     if (p0 < 0 || static_cast<double>(p0 + count) * max_freq >= kExactBelow) return false;
     if (p0 != next)  // a new run: its seed from the angles themselves
       for (int i = 0; i < half; ++i) {
         const double angle = p0 * static_cast<double>(inv_freq[i]);
         seed_c[i] = std::cos(angle), seed_s[i] = std::sin(angle);
       }
-    alignas(32) float c0[kMaxHeadDim / 2], s0[kMaxHeadDim / 2];
     for (int i = 0; i < half; ++i) c0[i] = static_cast<float>(seed_c[i]), s0[i] = static_cast<float>(seed_s[i]);
+    return true;
+  }
+  // cos/sin((p0 + kTile) f): the next tile's seed.
+  void finish(int64_t p0) {
+    for (int i = 0; i < half; ++i) {
+      const double c = seed_c[i] * step_c[i] - seed_s[i] * step_s[i];
+      seed_s[i] = seed_s[i] * step_c[i] + seed_c[i] * step_s[i], seed_c[i] = c;
+    }
+    next = p0 + kTile;
+  }
+
+  // sin and cos of a = fl(pf * f) from sin/cos(p0 f) (S0, C0) and sin/cos((pf - p0) f) (sn, c),
+  // times `scale`: the series above, in N lanes.
+  template <int N>
+  static void series(typename Vec<N>::f c, typename Vec<N>::f sn, typename Vec<N>::f C0, typename Vec<N>::f S0,
+                     typename Vec<N>::f pf, typename Vec<N>::f f, float scale, typename Vec<N>::f* cv,
+                     typename Vec<N>::f* sv) {
+    typedef typename Vec<N>::f vf;
+    const vf sin_pf = S0 * c + C0 * sn, cos_pf = C0 * c - S0 * sn;
+    const vf a = pf * f;
+    const vf e = product_error(pf, f, a);  // p f - a = -d
+    const vf e2 = e * e;
+    const vf cos_d = splatv<N>(1.f) + e2 * (splatv<N>(-0.5f) + e2 * splatv<N>(1.f / 24.f)), sin_d = -(e - e2 * e * splatv<N>(1.f / 6.f));
+    *sv = sin_pf * cos_d + cos_pf * sin_d, *cv = cos_pf * cos_d - sin_pf * sin_d;
+    if (scale != 1.f) *sv *= splatv<N>(scale), *cv *= splatv<N>(scale);
+  }
+
+#if defined(__AVX512F__)
+  // fill's tables with a lane a token: cos_out[i * kTile + k] for k < count rounded up to 16 (the
+  // token-lane key scores read whole registers of 16 tokens). Same arithmetic, so the same floats.
+  bool fill_lanes(int64_t p0, int count, float scale, float* cos_out, float* sin_out) {
+    const int padded = (count + 15) / 16 * 16;
+    if (!start(p0, padded)) return false;
+    if (p0 + padded >= (int64_t{1} << 31)) return false;  // positions as int32 below
+    typedef Vec<16>::f vf;
+    const __m512i k16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < half; ++i) {
+      const vf C0 = splatv<16>(c0[i]), S0 = splatv<16>(s0[i]), f = splatv<16>(inv_freq[i]);
+      for (int k = 0; k < padded; k += 16) {
+        vf cv, sv;  // each position rounded to float as fill rounds it
+        const vf pf = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p0 + k)), k16)));
+        series<16>(loadv<16>(lane_c.data() + i * kTile + k), loadv<16>(lane_s.data() + i * kTile + k), C0, S0, pf, f,
+                   scale, &cv, &sv);
+        storev<16>(cos_out + i * kTile + k, cv);
+        storev<16>(sin_out + i * kTile + k, sv);
+      }
+    }
+    finish(p0);
+    return true;
+  }
+#endif
+
+  // Fills cos/sin [count][half] (times `scale`) for positions p0 .. p0 + count - 1; false when
+  // those angles are too large for the series (the caller uses `angles`).
+  bool fill(int64_t p0, int count, float scale, float* cos_out, float* sin_out) {
+    if (!start(p0, count)) return false;
     for (int k = 0; k < count; ++k) {
       const float pf = static_cast<float>(p0 + k);
       const float *ck = run_c.data() + k * half, *sk = run_s.data() + k * half;
@@ -1700,14 +1934,8 @@ struct AngleRuns {
         constexpr int N = decltype(n_c)::value;
         typedef typename Vec<N>::f vf;
         for (; i + N <= half; i += N) {
-          const vf c = loadv<N>(ck + i), sn = loadv<N>(sk + i), C0 = loadv<N>(c0 + i), S0 = loadv<N>(s0 + i), f = loadv<N>(inv_freq + i);
-          const vf sin_pf = S0 * c + C0 * sn, cos_pf = C0 * c - S0 * sn;
-          const vf a = splatv<N>(pf) * f;
-          const vf e = product_error(splatv<N>(pf), f, a);  // p f - a = -d
-          const vf e2 = e * e;
-          const vf cos_d = splatv<N>(1.f) + e2 * (splatv<N>(-0.5f) + e2 * splatv<N>(1.f / 24.f)), sin_d = -(e - e2 * e * splatv<N>(1.f / 6.f));
-          vf sv = sin_pf * cos_d + cos_pf * sin_d, cv = cos_pf * cos_d - sin_pf * sin_d;
-          if (scale != 1.f) sv *= splatv<N>(scale), cv *= splatv<N>(scale);
+          vf cv, sv;
+          series<N>(loadv<N>(ck + i), loadv<N>(sk + i), loadv<N>(c0 + i), loadv<N>(s0 + i), splatv<N>(pf), loadv<N>(inv_freq + i), scale, &cv, &sv);
           storev<N>(so + i, sv);
           storev<N>(co + i, cv);
         }
@@ -1723,11 +1951,7 @@ struct AngleRuns {
         co[i] = (cos_pf * cos_d - sin_pf * sin_d) * scale;
       }
     }
-    for (int i = 0; i < half; ++i) {  // cos/sin((p0 + kTile) f): the next tile's seed
-      const double c = seed_c[i] * step_c[i] - seed_s[i] * step_s[i];
-      seed_s[i] = seed_s[i] * step_c[i] + seed_c[i] * step_s[i], seed_c[i] = c;
-    }
-    next = p0 + kTile;
+    finish(p0);
     return true;
   }
 };
@@ -1860,13 +2084,14 @@ KVQ_PROFILED inline void score_rows(const float* q, int n_heads, int dim, int co
   }
 }
 
-// Raw scores -> scaled, soft-capped and masked (`visible[h * kTile + i]`); each head's best score in
-// best_of. False when no head of the group sees any token of the tile.
-KVQ_PROFILED inline bool mask_scores(float* scores, int n_heads, int count, const uint8_t* visible, float scaling, float softcap, float* best_of) {
+// Raw scores -> scaled, soft-capped and masked (`visible[h * vis_stride + i]`, nonzero: seen); each
+// head's best score in best_of. False when no head of the group sees any token of the tile.
+KVQ_PROFILED inline bool mask_scores(float* scores, int n_heads, int count, const uint8_t* visible, int64_t vis_stride, float scaling,
+                                     float softcap, float* best_of) {
   bool any = false;
   for (int h = 0; h < n_heads; ++h) {
     float* sh = scores + h * kTile;
-    const uint8_t* vis = visible + h * kTile;
+    const uint8_t* vis = visible + h * vis_stride;
     if (softcap > 0.f)
       for (int i = 0; i < count; ++i) sh[i] = softcap * std::tanh(sh[i] * scaling / softcap) / scaling;
     v8f best8 = splat(kNegInf);
@@ -2034,6 +2259,72 @@ void Operand::rope_tile(int64_t bh, int64_t T, int64_t t0, int count, const floa
     });
     i = end;
   }
+}
+
+// Scores of pre-RoPE keys with a lane a token (rope_lanes; tile t0, `count` tokens, cos/sin with a
+// lane a token, times rope_scale): rope_lane_scores over blocks of 16 tokens, segment by segment of
+// one scale row, in passes of up to 4 query heads.
+void Operand::rope_lane_tile(const float* q, int n_heads, int64_t bh, int64_t T, int64_t t0, int count, const float* cos_l,
+                             const float* sin_l, float* scores, Scratch& tmp) const {
+#if defined(__AVX512VBMI__)
+  alignas(64) float out_vals[kTile * kMaxRopeSlots];
+  for (int i = 0; i < count;) {
+    const int64_t row = (t0 + i) / group;
+    const int end = static_cast<int>(std::min<int64_t>(count, (row + 1) * group - t0));
+    const int64_t meta = bh * (T / group) + row;
+    const int slot = static_cast<int>(meta % Scratch::kLaneTables);
+    float* table = tmp.lane_table[slot];
+    if (tmp.table_row[slot] != meta) {
+      load_scale_row(meta, tmp);
+      alignas(64) float rep[16];
+      for (int l = 0; l < 16; ++l) rep[l] = codebook ? levels[l % (1 << bits)] : static_cast<float>(l % (1 << bits));
+      const __m512 lv = _mm512_load_ps(rep);
+      for (int c = 0; c < dim; ++c)
+        _mm512_store_ps(table + 16 * c, _mm512_fmadd_ps(lv, _mm512_set1_ps(tmp.scale[c]), _mm512_set1_ps(tmp.zero[c])));
+      tmp.table_row[slot] = meta;
+    }
+    const int64_t first = bh * T + t0 + i;
+    if (n_out) load_floats(out_val_p + first * n_out * out_val_size, out_val_t, int64_t{end - i} * n_out, out_vals);
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
+    auto blocks = [&](auto bits_c, auto cb_c, auto ns_c) {
+      constexpr int B = decltype(bits_c)::value;
+      constexpr bool CB = decltype(cb_c)::value;
+      constexpr int NS = decltype(ns_c)::value;
+      for (int b = 0; b < end - i; b += 16) {
+        const int n = std::min(16, end - i - b);
+        prefetch_lines_starting(reinterpret_cast<uintptr_t>(src) + (b + kPrefetchRows) * row_bytes, 16 * row_bytes);
+        const uint8_t* rows = src + b * row_bytes;
+        const uint8_t* idx = NS ? out_idx_p + (first + b) * NS : nullptr;
+        const float* ex = out_vals + b * NS;
+        const float *cl = cos_l + i + b, *sl = sin_l + i + b;
+        for (int h = 0; h < n_heads;) {
+          const float* qh = q + h * dim;
+          float* sh = scores + h * kTile + i + b;
+          const int left = n_heads - h;
+          if (left >= 4) rope_lane_scores<B, CB, NS, 4>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 4;
+          else if (left == 3) rope_lane_scores<B, CB, NS, 3>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 3;
+          else if (left == 2) rope_lane_scores<B, CB, NS, 2>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 2;
+          else rope_lane_scores<B, CB, NS, 1>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 1;
+        }
+      }
+    };
+    auto with_slots = [&](auto bits_c, auto cb_c) {
+      if (n_out == 0) blocks(bits_c, cb_c, std::integral_constant<int, 0>{});
+      else if (n_out == 1) blocks(bits_c, cb_c, std::integral_constant<int, 1>{});
+      else blocks(bits_c, cb_c, std::integral_constant<int, 2>{});
+    };
+    auto with_levels = [&](auto bits_c) {
+      if (codebook) with_slots(bits_c, std::true_type{});
+      else with_slots(bits_c, std::false_type{});
+    };
+    if (bits == 3) with_levels(std::integral_constant<int, 3>{});
+    else with_levels(std::integral_constant<int, 2>{});
+    i = end;
+  }
+#else
+  (void)q, (void)n_heads, (void)bh, (void)T, (void)t0, (void)count, (void)cos_l, (void)sin_l, (void)scores, (void)tmp;
+  check(false, "rope_lane_tile needs AVX-512 VBMI (rope_lanes)");
+#endif
 }
 
 // The softmax weights of a tile's values in per-token groups: w[g][j] = p_j * scale_jg (rows kTile
@@ -2209,6 +2500,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
   check(!(K.int_query && pre_rope), "an integer query needs post-RoPE keys (rope_inv_freq None)");
   const bool direct_k = !K.is_float && K.per_channel && !pre_rope;
   const bool rope_k = !K.is_float && K.per_channel && pre_rope && K.rope_fusable();
+  const bool rope_lanes = rope_k && K.rope_lanes();  // then cos/sin tables with a lane a token
   const bool vector_k = !pre_rope && K.vector_keys();
   const bool direct_v = !V.is_float && !V.per_channel && V.group % 8 == 0;
   const bool fused_v = direct_v && V.fusable();
@@ -2220,6 +2512,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
     Scratch* k_tmp = &ws.k_tmp;
     Scratch* v_tmp = &ws.v_tmp;
     k_tmp->meta_row = v_tmp->meta_row = -1;  // cached rows belong to the last call's tensors
+    for (int64_t& r : k_tmp->table_row) r = -1;
     float* cos_t = ws.cos_t;
     float* sin_t = ws.sin_t;
     float* scores = ws.scores;
@@ -2245,20 +2538,29 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
       const int64_t t_end = std::min(hi, lo + (task + 1) * n_tiles / n_chunks * kTile);
       // One tile of one (batch row, kv head): scores, online softmax, weighted values.
       auto one_tile = [&](int64_t t0, int count, int64_t b, int64_t hkv) {
-            bool seen = false;
-            for (int64_t h = 0; h < n_heads; ++h) {
-              const bool* m = mask_data + b * m_b + (hkv * n_heads + h) * m_h + t0 * m_t;
-              uint8_t* vis = visible + h * kTile;
-              if (h > 0 && m_h == 0) std::memcpy(vis, visible, count);
-              else if (m_t == 1) std::memcpy(vis, m, count);
-              else for (int i = 0; i < count; ++i) vis[i] = m[i * m_t];
-              if (h == 0 || m_h != 0) {  // any visible token? 8 mask bytes at a time
-                uint64_t any = 0;
-                int i = 0;
-                for (; i + 8 <= count; i += 8) { uint64_t w8; std::memcpy(&w8, vis + i, 8); any |= w8; }
-                for (; i < count; ++i) any |= vis[i];
-                seen = seen || any != 0;
+            // The tile's mask rows, a head's `vis_stride` apart (0: one row for every head): read in
+            // place where the mask's tokens are contiguous, else gathered into `visible` (copying
+            // them for every head and tile was 3% of a kvquant preset's time)
+            const int vis_heads = m_h == 0 ? 1 : nh;
+            const uint8_t* vis_rows = visible;
+            int64_t vis_stride = m_h == 0 ? 0 : kTile;
+            if (m_t == 1) {
+              vis_rows = reinterpret_cast<const uint8_t*>(mask_data + b * m_b + hkv * n_heads * m_h + t0);
+              vis_stride = m_h;
+            } else {
+              for (int h = 0; h < vis_heads; ++h) {
+                const bool* m = mask_data + b * m_b + (hkv * n_heads + h) * m_h + t0 * m_t;
+                for (int i = 0; i < count; ++i) visible[h * kTile + i] = m[i * m_t];
               }
+            }
+            bool seen = false;
+            for (int h = 0; h < vis_heads && !seen; ++h) {  // any visible token? 8 mask bytes at a time
+              const uint8_t* vis = vis_rows + h * vis_stride;
+              uint64_t any = 0;
+              int i = 0;
+              for (; i + 8 <= count; i += 8) { uint64_t w8; std::memcpy(&w8, vis + i, 8); any |= w8; }
+              for (; i < count; ++i) any |= vis[i];
+              seen = any != 0;
             }
             if (!seen) return;
             const int64_t bh = b * Hkv + hkv;
@@ -2267,6 +2569,8 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
               K.direct_key_scores(qg, nh, bh, T, t0, count, ktile, scores, *k_tmp);
             } else if (vector_k) {
               K.vector_key_scores(qg, nh, bh, T, t0, count, scores, *k_tmp);
+            } else if (rope_lanes) {
+              K.rope_lane_tile(qg, nh, bh, T, t0, count, cos_t, sin_t, scores, *k_tmp);
             } else if (rope_k) {
               K.rope_tile(bh, T, t0, count, cos_t, sin_t, ktile, *k_tmp);
               score_rows(qg, nh, dk, count, ktile, scores);
@@ -2277,7 +2581,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
                   rotate_row(ktile + i * kRow, cos_t + i * half, sin_t + i * half, dk);
               score_rows(qg, nh, dk, count, ktile, scores);
             }
-            if (!mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of)) return;
+            if (!mask_scores(scores, nh, count, vis_rows, vis_stride, scale_f, softcap_f, best_of)) return;
             if (fused_v) {  // softmax of every head, then the values of all heads in one pass over the codes
               V.token_meta(bh, T, t0, count, *v_tmp);
               state(task, b, hkv);
@@ -2309,9 +2613,20 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
         AngleRuns runs(inv_freq.data(), half);
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
           const int count = tile_count(t0);
-          if (!runs.fill(a.position_offset + t0, count, rope_f, cos_t, sin_t))
+          if (rope_lanes) {
+#if defined(__AVX512F__)
+            if (!runs.fill_lanes(a.position_offset + t0, count, rope_f, cos_t, sin_t)) {
+              float *row_c = ktile, *row_s = ktile + kTile * half;  // `angles` by rows, then a lane a token
+              for (int i = 0; i < count; ++i) {
+                angles(a.position_offset + t0 + i, inv_freq.data(), half, rope_f, row_c + i * half, row_s + i * half);
+                for (int c = 0; c < half; ++c) cos_t[c * kTile + i] = row_c[i * half + c], sin_t[c * kTile + i] = row_s[i * half + c];
+              }
+            }
+#endif
+          } else if (!runs.fill(a.position_offset + t0, count, rope_f, cos_t, sin_t)) {
             for (int i = 0; i < count; ++i)
               angles(a.position_offset + t0 + i, inv_freq.data(), half, rope_f, cos_t + i * half, sin_t + i * half);
+          }
           for (int64_t b = 0; b < B; ++b)
             for (int64_t hkv = 0; hkv < Hkv; ++hkv) one_tile(t0, count, b, hkv);
         }
@@ -2332,7 +2647,7 @@ void decode_attention(const Args& a, float* out, int64_t threads, ParallelFor&& 
           auto flush = [&] {
             if (count == 0) return;
             score_rows(qg, nh, dk, count, ktile, scores);
-            if (mask_scores(scores, nh, count, visible, scale_f, softcap_f, best_of))
+            if (mask_scores(scores, nh, count, visible, kTile, scale_f, softcap_f, best_of))
               for (int h = 0; h < nh; ++h) {
                 if (best_of[h] == kNegInf) continue;
                 const float correction = softmax_step(scores + h * kTile, count, best_of[h], parts[h], probs);

@@ -153,14 +153,16 @@ def test_merge_partials_refuses_mismatched_inputs():
         merge_partials([torch.zeros(1, 1, 1, 4)], [])
 
 
+@pytest.mark.parametrize("k_fmt", [(4, AXIS_CHANNEL, 16, False, 0), (3, AXIS_CHANNEL, 16, True, 1)], ids=["k4", "k3-lanes"])
 @pytest.mark.parametrize("offset", [100_000, 1_000_000, 1_500_000, 3_000_000])
-def test_pre_rope_angles_millions_of_radians_out_match_the_reference(offset):
+def test_pre_rope_angles_millions_of_radians_out_match_the_reference(offset, k_fmt):
     """Shards 100k to 3M tokens in, against the reference, which rotates with torch's float32 angles
     as the model does. Below 2^20 radians a tile's cos/sin come from `AngleRuns` (seeds carried over
     ten tiles, the float angles' rounding corrected: without that correction the output is off by
     2.5e-3 at 100k); past it from `angles`, on both sides of 2^21 radians, where its sin/cos switches
-    from the float32 FMA reduction to the one in double."""
-    named = native_case(5, hkv=1, ratio=3, batch=1, blocks=40, k_fmt=(4, AXIS_CHANNEL, 16, False, 0), pre_rope=True)
+    from the float32 FMA reduction to the one in double. 3-bit keys take the tables with a lane a
+    token where the build has AVX-512 VBMI (`AngleRuns::fill_lanes`, or `angles` transposed)."""
+    named = native_case(5, hkv=1, ratio=3, batch=1, blocks=40, k_fmt=k_fmt, pre_rope=True)
     out, lse = torch.ops.kvq.decode_attention_partial(**op_args(named), position_offset=offset)
     ref, ref_lse = reference.streaming_attention(**reference_arguments(named), position_offset=offset, with_lse=True)
     torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-4, atol=1e-4)
