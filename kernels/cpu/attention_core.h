@@ -1379,7 +1379,7 @@ struct Operand {
   // i's row at i * kTile from this block's first token; `tables` the scale row's level tables;
   // `idx`/`exact` the block's outlier slots (NS a token); lanes >= n are read masked, computed and
   // not stored.
-  template <int BITS, bool CB, int NS, int NH>
+  template <int BITS, int NS, int NH>
   void rope_lane_scores(const float* qs, const uint8_t* rows, int n, const uint8_t* idx, const float* exact,
                         const float* cos_l, const float* sin_l, const float* tables, float* scores) const {
     static_assert(BITS == 2 || BITS == 3, "rope_lane_scores reads 2- and 3-bit rows of head_dim 64");
@@ -2286,9 +2286,8 @@ void Operand::rope_lane_tile(const float* q, int n_heads, int64_t bh, int64_t T,
     const int64_t first = bh * T + t0 + i;
     if (n_out) load_floats(out_val_p + first * n_out * out_val_size, out_val_t, int64_t{end - i} * n_out, out_vals);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(codes_p) + first * row_bytes;
-    auto blocks = [&](auto bits_c, auto cb_c, auto ns_c) {
+    auto blocks = [&](auto bits_c, auto ns_c) {
       constexpr int B = decltype(bits_c)::value;
-      constexpr bool CB = decltype(cb_c)::value;
       constexpr int NS = decltype(ns_c)::value;
       for (int b = 0; b < end - i; b += 16) {
         const int n = std::min(16, end - i - b);
@@ -2301,24 +2300,21 @@ void Operand::rope_lane_tile(const float* q, int n_heads, int64_t bh, int64_t T,
           const float* qh = q + h * dim;
           float* sh = scores + h * kTile + i + b;
           const int left = n_heads - h;
-          if (left >= 4) rope_lane_scores<B, CB, NS, 4>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 4;
-          else if (left == 3) rope_lane_scores<B, CB, NS, 3>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 3;
-          else if (left == 2) rope_lane_scores<B, CB, NS, 2>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 2;
-          else rope_lane_scores<B, CB, NS, 1>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 1;
+          if (left >= 4) rope_lane_scores<B, NS, 4>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 4;
+          else if (left == 3) rope_lane_scores<B, NS, 3>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 3;
+          else if (left == 2) rope_lane_scores<B, NS, 2>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 2;
+          else rope_lane_scores<B, NS, 1>(qh, rows, n, idx, ex, cl, sl, table, sh), h += 1;
         }
       }
     };
-    auto with_slots = [&](auto bits_c, auto cb_c) {
-      if (n_out == 0) blocks(bits_c, cb_c, std::integral_constant<int, 0>{});
-      else if (n_out == 1) blocks(bits_c, cb_c, std::integral_constant<int, 1>{});
-      else blocks(bits_c, cb_c, std::integral_constant<int, 2>{});
+    // (the levels, codebook or grid, are in the tables: no instance per kind, which cost compile time)
+    auto with_slots = [&](auto bits_c) {
+      if (n_out == 0) blocks(bits_c, std::integral_constant<int, 0>{});
+      else if (n_out == 1) blocks(bits_c, std::integral_constant<int, 1>{});
+      else blocks(bits_c, std::integral_constant<int, 2>{});
     };
-    auto with_levels = [&](auto bits_c) {
-      if (codebook) with_slots(bits_c, std::true_type{});
-      else with_slots(bits_c, std::false_type{});
-    };
-    if (bits == 3) with_levels(std::integral_constant<int, 3>{});
-    else with_levels(std::integral_constant<int, 2>{});
+    if (bits == 3) with_slots(std::integral_constant<int, 3>{});
+    else with_slots(std::integral_constant<int, 2>{});
     i = end;
   }
 #else
